@@ -1,0 +1,62 @@
+"""Checkpoints that survive a crash and resume a run exactly.
+
+A checkpoint is a folder `step_000100/` holding the weights (safetensors) and, beside them, the
+optimizer, the learning-rate schedule, the random-number generators and the data position. It is
+written under a temporary name and renamed only when complete, and the `latest` file is replaced
+the same way, so a crash mid-save leaves the previous checkpoint as it was.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+
+def write_atomically(path, text):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+
+
+def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
+    save_dir = Path(save_dir)
+    final, tmp = save_dir / f"step_{step:06d}", save_dir / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "data": loader.state_dict(),
+        "rng": rng,
+    }
+    torch.save(state, tmp / "trainer_state.pt")
+    if final.exists():  # saving the same step again, after a resume
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_atomically(save_dir / "latest", final.name)
+    return final
+
+
+def latest_checkpoint(save_dir):
+    latest = Path(save_dir) / "latest"
+    return Path(save_dir) / latest.read_text().strip() if latest.exists() else None
+
+
+def load_checkpoint(path, model, optimizer, scheduler, loader, device):
+    """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
+    load_model(model, str(Path(path) / "model.safetensors"), device=str(device))
+    state = torch.load(Path(path) / "trainer_state.pt", map_location=device, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"]["cpu"].cpu())
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
+    return state["step"]

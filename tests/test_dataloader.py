@@ -1,0 +1,99 @@
+"""Step 3's data pipeline: rows, the shift by one, determinism, wrap-around, offline defaults."""
+
+import pytest
+import torch
+from conftest import ROOT, import_step
+from datasets import Dataset
+
+data_lib = import_step("step3_dataloader", "dataloader")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data_lib.load_tokenizer("tinytales")
+
+
+def small_rows(n=10, length=5):
+    """Rows whose tokens say which row they are: row i holds i*100 + 0..length-1."""
+    tokens = [[i * 100 + j for j in range(length)] for i in range(n)]
+    return Dataset.from_dict({"tokens": tokens}).with_format("torch")
+
+
+def test_offline_defaults_load():
+    tokenizer = data_lib.load_tokenizer("tinytales")
+    assert len(tokenizer) == 2048 and tokenizer.eos_token == "<|endoftext|>"
+    train, validation = data_lib.load_splits("tinytales", seed=0)
+    assert len(train) > 5000 and len(validation) > 100
+    assert train[0]["text"] != validation[0]["text"]
+
+
+def test_unreachable_hub_names_the_local_default():
+    with pytest.raises(ValueError, match="offline default is 'tinytales'"):
+        data_lib.load_tokenizer("no-such-user/no-such-tokenizer")
+    with pytest.raises(ValueError, match="offline default is 'tinytales'"):
+        data_lib.load_splits("no-such-user/no-such-dataset", seed=0)
+
+
+def test_rows_are_documents_joined_by_eos(tokenizer):
+    docs = Dataset.from_dict({"text": ["The cat sat.", "A dog ran far away.", "Sun."] * 20})
+    rows = data_lib.tokenize(docs, tokenizer, seq_len=7, num_proc=1)
+    tokens = rows[:]["tokens"]  # (rows, T+1)
+    assert tokens.shape[1] == 8
+    stream = []
+    for text in docs["text"]:
+        stream += tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    flat = tokens.flatten().tolist()
+    assert flat == stream[: len(flat)]  # one batch of documents: only the tail is dropped
+    assert len(stream) - len(flat) < 8
+
+
+def test_targets_are_inputs_shifted_by_one():
+    loader = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=0, device="cpu")
+    inputs, targets = next(loader)
+    assert inputs.shape == targets.shape == (3, 4)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(targets - inputs, torch.ones_like(inputs))
+
+
+def batches(loader, n):
+    return [next(loader)[0] for _ in range(n)]
+
+
+def test_deterministic_for_a_seed():
+    a = batches(data_lib.MicroBatchDataLoader(small_rows(), 2, seed=1, device="cpu"), 8)
+    b = batches(data_lib.MicroBatchDataLoader(small_rows(), 2, seed=1, device="cpu"), 8)
+    c = batches(data_lib.MicroBatchDataLoader(small_rows(), 2, seed=2, device="cpu"), 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_wraps_into_new_epochs_covering_every_row_once():
+    loader = data_lib.MicroBatchDataLoader(small_rows(), 4, seed=0, device="cpu")
+    firsts = torch.cat(batches(loader, 10))[:, 0] // 100  # 40 rows: four epochs of 10
+    assert loader.epoch == 4
+    epochs = firsts.view(4, 10)
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(10))
+    assert not torch.equal(epochs[0], epochs[1])  # a new order every epoch
+
+
+def test_resumes_from_its_position():
+    loader = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=5, device="cpu")
+    batches(loader, 5)
+    state = loader.state_dict()
+    expected = batches(loader, 6)
+    again = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=5, device="cpu")
+    again.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(expected, batches(again, 6), strict=True))
+
+
+def test_too_small_dataset_is_refused(tokenizer):
+    docs = Dataset.from_dict({"text": ["Hi."]})
+    with pytest.raises(ValueError, match="too small for one row"):
+        data_lib.tokenize(docs, tokenizer, seq_len=512, num_proc=1)
+
+
+def test_assets_are_where_the_defaults_point():
+    assert (ROOT / "assets/datasets/tinytales/train.jsonl").is_file()
+    assert (ROOT / "assets/tokenizers/tinytales/tokenizer.json").is_file()
+    assert (ROOT / "assets/configs/tiny/config.json").is_file()

@@ -1,0 +1,95 @@
+"""The (dp, pp, tp) grid: every rank's coordinates and groups, and the refusal of bad sizes."""
+
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import ROOT, import_step, run_step
+
+pgm_lib = import_step("step2_process_group_manager", "process_group_manager")
+
+
+def expected(rank, dp, pp, tp):
+    """The grid by hand: rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
+    dp_rank, rest = divmod(rank, pp * tp)
+    pp_rank, tp_rank = divmod(rest, tp)
+    at = lambda d, p, t: (d * pp + p) * tp + t
+    return {
+        "coords": [dp_rank, pp_rank, tp_rank],
+        "tp": [at(dp_rank, pp_rank, t) for t in range(tp)],
+        "pp": [at(dp_rank, p, tp_rank) for p in range(pp)],
+        "dp": [at(d, pp_rank, tp_rank) for d in range(dp)],
+    }
+
+
+def worker(rank, world, sizes, store_path, results):
+    sys.path.insert(0, str(ROOT / "step2_process_group_manager"))
+    from process_group_manager import ProcessGroupManager
+
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    tp, pp, dp = sizes
+    pgm = ProcessGroupManager(tp_size=tp, pp_size=pp, dp_size=dp)
+    # Each group really holds these ranks: an all-gather of global ranks over it.
+    members = {}
+    for axis in ["tp", "pp", "dp"]:
+        group = getattr(pgm, f"{axis}_group")
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, rank, group=group)
+        members[axis] = gathered
+    results[rank] = {
+        "coords": [pgm.dp_rank, pgm.pp_rank, pgm.tp_rank],
+        "ids": {a: getattr(pgm, f"{a}_group_ids") for a in ["tp", "pp", "dp"]},
+        "members": members,
+        "stages": [pgm.pp_is_first_stage, pgm.pp_is_last_stage, pgm.pp_prev_rank, pgm.pp_next_rank],
+    }
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (2, 3, 1), (1, 2, 3)])
+def test_grid_membership(tmp_path, tp, pp, dp):
+    world = tp * pp * dp
+    results = mp.Manager().dict()
+    mp.spawn(worker, args=(world, (tp, pp, dp), str(tmp_path / "store"), results), nprocs=world)
+    for rank in range(world):
+        want, got = expected(rank, dp, pp, tp), results[rank]
+        assert got["coords"] == want["coords"], rank
+        for axis in ["tp", "pp", "dp"]:
+            assert got["ids"][axis] == want[axis], (rank, axis)
+            assert got["members"][axis] == want[axis], (rank, axis)
+        pp_rank, pp_ids = want["coords"][1], want["pp"]
+        prev = pp_ids[pp_rank - 1] if pp_rank > 0 else None
+        following = pp_ids[pp_rank + 1] if pp_rank < pp - 1 else None
+        assert got["stages"] == [pp_rank == 0, pp_rank == pp - 1, prev, following], rank
+
+
+def test_grid_layout_tp_fastest():
+    grid = pgm_lib.grid(8, tp_size=2, pp_size=2, dp_size=2)
+    assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+@pytest.mark.parametrize(
+    "world, tp, pp, dp, message",
+    [
+        (2, 3, 1, 1, "3 \\* 1 \\* 1 = 3, but the world size is 2"),
+        (4, 2, 1, 1, "2 \\* 1 \\* 1 = 2, but the world size is 4"),
+        (2, 0, 1, 2, "tp_size must be at least 1, got 0"),
+    ],
+)
+def test_check_sizes_message(world, tp, pp, dp, message):
+    with pytest.raises(ValueError, match=message):
+        pgm_lib.check_sizes(world, tp, pp, dp)
+
+
+def test_bad_launch_fails_fast_on_every_rank():
+    """torchrun with a grid that does not fit: non-zero exit, the numbers shown, no hang."""
+    start = time.monotonic()
+    result = run_step("step2_process_group_manager", ["--tp_size", "3"], nproc=2, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "tp_size * pp_size * dp_size = 3 * 1 * 1 = 3, but the world size is 2" in output
+    assert time.monotonic() - start < 60
+    # Both ranks raised the error themselves; neither waited for the other.
+    assert output.count("ValueError: tp_size * pp_size") >= 2

@@ -1,0 +1,83 @@
+"""Each step's train.py runs end to end; step 3 resumes exactly and logs to a file and to W&B."""
+
+import re
+
+import pytest
+from conftest import TINY, check, read_log, run_step
+
+LOSS = re.compile(r"step (\d+)/\d+ \| loss ([0-9.]+)")
+
+
+def losses(output):
+    return {int(step): float(loss) for step, loss in LOSS.findall(output)}
+
+
+@pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
+def test_step1_memorises_a_fixed_batch(torchrun):
+    args = [*TINY, "--max_steps", "40", "--learning_rate", "1e-2"]
+    result = check(run_step("step1_model", args, torchrun=torchrun))
+    seen = losses(result.stdout)
+    assert len(seen) == 40
+    assert seen[1] > 7.0 and seen[40] < 0.5 * seen[1], seen
+
+
+def test_step2_every_rank_trains_its_own_copy():
+    args = [*TINY, "--max_steps", "3", "--dp_size", "2"]
+    result = check(run_step("step2_process_group_manager", args, nproc=2))
+    assert "rank 1/2: dp 1/2 pp 0/1 tp 0/1" in result.stdout
+    assert len(losses(result.stdout)) == 3  # logged once, by rank 0
+
+
+def step3(tmp_path, *extra, steps=20, nproc=1, env=None):
+    args = [*TINY, "--max_steps", str(steps), "--eval_every", "5", "--eval_steps", "2"]
+    args += ["--sample_tokens", "8", "--num_proc", "1", *extra]
+    return check(run_step("step3_dataloader", args, nproc=nproc, env=env))
+
+
+def test_step3_resume_gives_identical_losses(tmp_path):
+    """20 steps straight, against 10 steps, a checkpoint, and a resumed run of the last 10."""
+    straight = tmp_path / "straight.jsonl"
+    step3(tmp_path, "--log_file", str(straight))
+    save_dir = tmp_path / "ckpt"
+    first = tmp_path / "first.jsonl"
+    step3(tmp_path, "--save_dir", str(save_dir), "--save_every", "10", "--log_file", str(first))
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_000010", "step_000020"]
+    # Pretend the run died after step 10: its latest checkpoint is step 10.
+    (save_dir / "latest").write_text("step_000010")
+    resumed = tmp_path / "resumed.jsonl"
+    result = step3(tmp_path, "--save_dir", str(save_dir), "--resume", "--log_file", str(resumed))
+    assert "resumed from" in result.stdout and "at step 10" in result.stdout
+    expected, got = read_log(straight), read_log(resumed)
+    assert [r["step"] for r in got] == list(range(11, 21))
+    for want, have in zip(expected[10:], got, strict=True):
+        for key in ["loss", "grad_norm", "lr", "tokens"]:
+            assert have[key] == want[key], (have["step"], key)
+    assert got[-1]["val_loss"] == expected[-1]["val_loss"]
+    # Saving checkpoints does not change the run itself.
+    assert [r["loss"] for r in read_log(first)] == [r["loss"] for r in expected]
+
+
+def test_step3_log_file_and_loss_falls(tmp_path):
+    log_file = tmp_path / "log.jsonl"
+    step3(tmp_path, "--log_file", str(log_file), "--learning_rate", "1e-2", steps=30)
+    records = read_log(log_file)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for key in ["step", "loss", "grad_norm", "lr", "tokens", "tokens_per_second"]:
+        assert all(key in r for r in records), key
+    assert records[-1]["tokens"] == 30 * 2 * 32
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 10, 15, 20, 25, 30]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+def test_step3_wandb_offline(tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    step3(tmp_path, "--use_wandb", "--run_name", "offline-test", steps=3, env=env)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    assert list(runs[0].glob("*.wandb")), "no run data written"
+
+
+def test_step3_on_two_ranks(tmp_path):
+    result = step3(tmp_path, "--dp_size", "2", steps=3, nproc=2)
+    assert "sample:" in result.stdout
+    assert len(losses(result.stdout)) == 3
