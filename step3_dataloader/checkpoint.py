@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 
 
@@ -21,11 +22,23 @@ def write_atomically(path, text):
 
 
 def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
+    """Called on every rank. Every rank holds the same copy, so rank 0 writes it."""
     save_dir = Path(save_dir)
     final, tmp = save_dir / f"step_{step:06d}", save_dir / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_state(tmp, step, model, optimizer, scheduler, loader)
+        if final.exists():  # saving the same step again, after a resume
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_atomically(save_dir / "latest", final.name)
+    dist.barrier()  # no rank runs ahead of a checkpoint being written
+    return final
+
+
+def write_state(folder, step, model, optimizer, scheduler, loader):
+    save_model(model, str(folder / "model.safetensors"))  # handles tied embeddings
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -36,12 +49,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
         "data": loader.state_dict(),
         "rng": rng,
     }
-    torch.save(state, tmp / "trainer_state.pt")
-    if final.exists():  # saving the same step again, after a resume
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_atomically(save_dir / "latest", final.name)
-    return final
+    torch.save(state, folder / "trainer_state.pt")
 
 
 def latest_checkpoint(save_dir):

@@ -337,12 +337,8 @@ def main(argv=None):
             )
         metrics.write(record)
         if args.save_dir and (step % args.save_every == 0 or last):
-            if dist.get_rank() == 0:  # every rank holds the same copy; one writes it
-                path = save_checkpoint(
-                    args.save_dir, step, model, optimizer, scheduler, train_loader
-                )
-                log(f"saved {path}")
-            dist.barrier()
+            path = save_checkpoint(args.save_dir, step, model, optimizer, scheduler, train_loader)
+            log(f"saved {path}")
     metrics.close()
     text = sample(model, tokenizer, args.sample_prompt, args.sample_tokens, device, args.seed)
     log(f"sample: {text!r}")

@@ -26,7 +26,7 @@ from steps import step_files, step_folders, step_number  # noqa: E402
 STEP_CHANGES = {
     "step2_process_group_manager": {"process_group_manager.py", "train.py", "README.md"},
     "step3_dataloader": {"dataloader.py", "checkpoint.py", "train.py", "README.md"},
-    "step4_tensor_parallel": {"tensor_parallel.py", "train.py", "README.md"},
+    "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
     "step5_data_parallel_naive": {"data_parallel.py", "train.py", "README.md"},
     "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
     "step7_pipeline_parallel_afab": {"pipeline_parallel.py", "train.py", "README.md"},

@@ -1,0 +1,236 @@
+"""Step 4: each tensor-parallel layer against its dense reference, the whole model against the
+single-device model, and tp training against step 3's single-process run."""
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import ROOT, TINY, check, import_step, read_log, run_step
+
+STEP = "step4_tensor_parallel"
+tp_lib = import_step(STEP, "tensor_parallel")
+
+
+def spawn(fn, world, tmp_path, *args):
+    mp.spawn(_init_and_run, args=(world, str(tmp_path / "store"), fn, args), nprocs=world)
+
+
+def _init_and_run(rank, world, store_path, fn, args):
+    sys.path.insert(0, str(ROOT / STEP))
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def layers_worker(rank, world, batch_shape):
+    import tensor_parallel as tp
+
+    group = dist.group.WORLD
+    torch.manual_seed(0)  # the same dense weights and inputs on every rank
+    D, F_, V = 16, 24, 40
+    x = torch.randn(*batch_shape, D)
+    ids = torch.randint(0, V, batch_shape)
+    targets = torch.randint(0, V, batch_shape)
+
+    # Column parallel: rank r holds rows r*F/tp..(r+1)*F/tp of the weight and of the output.
+    dense = torch.nn.Linear(D, F_, bias=False)
+    column = tp.ColumnParallelLinear(D, F_, group)
+    column.weight.data.copy_(column.init_parameter("weight", lambda s: dense.weight.data))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_dense, y_col = dense(x1), column(x2)
+    close(y_col, y_dense.chunk(world, -1)[rank], "column forward")
+    upstream = torch.randn_like(y_dense)
+    y_dense.backward(upstream)
+    y_col.backward(upstream.chunk(world, -1)[rank])
+    close(column.weight.grad, dense.weight.grad.chunk(world, 0)[rank], "column weight grad")
+    close(x2.grad, x1.grad, "column input grad")  # the all-reduce of Copy's backward
+
+    # Row parallel: the input comes split along its last dim; the output is the full sum.
+    dense = torch.nn.Linear(F_, D, bias=False)
+    row = tp.RowParallelLinear(F_, D, group)
+    row.weight.data.copy_(row.init_parameter("weight", lambda s: dense.weight.data))
+    h = torch.randn(*batch_shape, F_)
+    h1, h2 = h.clone().requires_grad_(), h.chunk(world, -1)[rank].clone().requires_grad_()
+    y_dense, y_row = dense(h1), row(h2)
+    close(y_row, y_dense, "row forward")
+    upstream = torch.randn_like(y_dense)
+    y_dense.backward(upstream)
+    y_row.backward(upstream)
+    close(row.weight.grad, dense.weight.grad.chunk(world, 1)[rank], "row weight grad")
+    close(h2.grad, h1.grad.chunk(world, -1)[rank], "row input grad")
+
+    # Vocabulary-parallel embedding.
+    dense = torch.nn.Embedding(V, D)
+    embed = tp.VocabParallelEmbedding(V, D, group)
+    embed.weight.data.copy_(embed.init_parameter("weight", lambda s: dense.weight.data))
+    y_dense, y_emb = dense(ids), embed(ids)
+    close(y_emb, y_dense, "embedding forward")
+    upstream = torch.randn_like(y_dense)
+    y_dense.backward(upstream)
+    y_emb.backward(upstream)
+    close(embed.weight.grad, dense.weight.grad.chunk(world, 0)[rank], "embedding grad")
+
+    # Vocabulary-parallel cross-entropy, on logits large enough that a missing max would overflow.
+    logits = 30 * torch.randn(*batch_shape, V)
+    full = logits.clone().requires_grad_()
+    mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss_dense = F.cross_entropy(full.flatten(0, -2), targets.flatten())
+    loss_tp = tp.vocab_parallel_cross_entropy(mine, targets, group)
+    close(loss_tp, loss_dense, "cross-entropy")
+    loss_dense.backward()
+    loss_tp.backward()
+    close(mine.grad, full.grad.chunk(world, -1)[rank], "cross-entropy grad")
+
+    # Gather: all slices side by side; backward keeps this rank's slice.
+    part = x.chunk(world, -1)[rank].clone().requires_grad_()
+    gathered = tp.Gather.apply(part, group)
+    close(gathered, x, "gather")
+    gathered.backward(x)
+    close(part.grad, x.chunk(world, -1)[rank], "gather grad")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("batch_shape", [(3, 5), (1, 7), (2, 1)], ids=str)
+def test_layers_match_dense(tmp_path, world, batch_shape):
+    spawn(layers_worker, world, tmp_path, batch_shape)
+
+
+def model_worker(rank, world, tied):
+    from transformers import LlamaConfig
+
+    from model import LlamaForCausalLM
+    from tensor_parallel import (
+        Gather,
+        apply_tensor_parallel,
+        clip_grad_norm,
+        vocab_parallel_cross_entropy,
+    )
+
+    group = dist.group.WORLD
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    reference = LlamaForCausalLM(config)
+    reference.init_weights(seed=3)
+    with torch.device("meta"):
+        model = apply_tensor_parallel(LlamaForCausalLM(config), group)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights(seed=3)
+    # Never the whole model: every weight matrix is a slice.
+    assert model.lm_head.weight.shape == (64 // world, 32)
+
+    torch.manual_seed(1)
+    ids, targets = torch.randint(0, 64, (2, 9)), torch.randint(0, 64, (2, 9))
+    expected = reference(ids)
+    loss_ref = F.cross_entropy(expected.flatten(0, 1), targets.flatten())
+    logits = model(ids)
+    close(Gather.apply(logits, group), expected, "logits")
+    loss = vocab_parallel_cross_entropy(logits, targets, group)
+    close(loss, loss_ref, "loss")
+    loss_ref.backward()
+    loss.backward()
+    for name, param in model.named_parameters():
+        full = reference.get_parameter(name).grad
+        if param.shape != full.shape:
+            dim = [a != b for a, b in zip(param.shape, full.shape, strict=True)].index(True)
+            full = full.chunk(world, dim)[rank]
+        close(param.grad, full, f"grad of {name}")
+    norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    close(clip_grad_norm(model, 1e9, group), norm_ref, "grad norm")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_model_matches_single_device(tmp_path, tied):
+    spawn(model_worker, 2, tmp_path, tied)
+
+
+def test_refuses_bad_tp_sizes():
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size, vocab_size = 8, 4, 96, 2048
+
+    tp_lib.check_tensor_parallel(Config, 4)
+    with pytest.raises(ValueError, match="tp_size=8 does not divide num_key_value_heads=4"):
+        tp_lib.check_tensor_parallel(Config, 8)
+    with pytest.raises(ValueError, match="tp_size=3 does not divide num_attention_heads=8"):
+        tp_lib.check_tensor_parallel(Config, 3)
+
+
+def test_bad_tp_size_exits_on_every_rank():
+    result = run_step(STEP, [*TINY, "--tp_size", "3"], nproc=3, timeout=120)
+    assert result.returncode != 0
+    assert "tp_size=3 does not divide num_attention_heads=4" in result.stdout + result.stderr
+
+
+def train(step, tmp_path, name, nproc=1, extra=()):
+    log_file = tmp_path / f"{name}.jsonl"
+    args = [*TINY, "--max_steps", "20", "--gradient_accumulation_steps", "2"]
+    args += ["--eval_every", "10", "--eval_steps", "2", "--num_proc", "1", "--sample_tokens", "8"]
+    args += ["--log_file", str(log_file), *extra]
+    result = check(run_step(step, args, nproc=nproc))
+    return read_log(log_file), result
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Step 3 on one process: the reference every layout must reproduce."""
+    records, result = train("step3_dataloader", tmp_path_factory.mktemp("base"), "base")
+    return records, result
+
+
+def assert_same_training(records, expected):
+    assert [r["step"] for r in records] == [r["step"] for r in expected]
+    for got, want in zip(records, expected, strict=True):
+        # fp32 on the CPU: only the order of the sums differs. A wrong initial slice or a missing
+        # all-reduce changes the loss in the second or first decimal.
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
+        if "val_loss" in want:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
+
+
+def test_tp2_trains_like_one_process(tmp_path, baseline):
+    records, result = train(STEP, tmp_path, "tp2", nproc=2, extra=["--tp_size", "2"])
+    assert_same_training(records, baseline[0])
+    sample = [line for line in result.stdout.splitlines() if "sample:" in line]
+    assert sample[0].split("sample:")[1] == baseline[1].stdout.split("sample:")[1].splitlines()[0]
+
+
+def test_tp4_trains_like_one_process(tmp_path_factory):
+    extra = ["--num_key_value_heads", "4"]
+    base, _ = train("step3_dataloader", tmp_path_factory.mktemp("b4"), "base", extra=extra)
+    tmp = tmp_path_factory.mktemp("tp4")
+    records, _ = train(STEP, tmp, "tp4", nproc=4, extra=[*extra, "--tp_size", "4"])
+    assert_same_training(records, base)
+
+
+def test_tp2_resume_in_same_layout(tmp_path, baseline):
+    save = tmp_path / "ckpt"
+    extra = ["--tp_size", "2", "--save_dir", str(save), "--save_every", "10"]
+    train(STEP, tmp_path, "first", nproc=2, extra=extra)
+    files = sorted(p.name for p in (save / "step_000010").iterdir())
+    assert files == [
+        "model-tp0-of-2.safetensors",
+        "model-tp1-of-2.safetensors",
+        "trainer_state-tp0-of-2.pt",
+        "trainer_state-tp1-of-2.pt",
+    ]
+    (save / "latest").write_text("step_000010")
+    records, _ = train(STEP, tmp_path, "resumed", nproc=2, extra=[*extra, "--resume"])
+    assert_same_training(records, baseline[0][10:])
+    # Another layout is refused with a message, not a crash deep inside safetensors.
+    result = run_step(STEP, [*TINY, "--save_dir", str(save), "--resume"], nproc=1)
+    assert result.returncode != 0
+    assert "has no shard tp0-of-1" in result.stdout + result.stderr
