@@ -207,7 +207,7 @@ def loss_fn(logits, targets):
 
 def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm."""
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):

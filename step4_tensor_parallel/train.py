@@ -213,7 +213,7 @@ def loss_fn(logits, targets, pgm):
 
 def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm."""
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -339,9 +339,11 @@ def main(argv=None):
             record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, dtype, pgm)
             log(f"step {step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
         if step % args.log_every == 0 or last:
-            # A tp group shares each token's work: per device, the MFU is divided by tp_size.
+            # Per device: all world_size devices share the work of the step's tokens.
             mfu = (
-                f"{100 * flops * tokens_per_second / (peak * pgm.tp_size):.1f}%" if peak else "n/a"
+                f"{100 * flops * tokens_per_second / (peak * pgm.world_size):.1f}%"
+                if peak
+                else "n/a"
             )
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"

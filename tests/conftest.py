@@ -5,7 +5,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 # No network here: the hub libraries fail at once instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,3 +66,37 @@ def check(result):
 
 def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
+    """Run fn(rank, world, *args) in `world` gloo processes that import `step`'s modules.
+    A hang fails the test after `timeout` seconds instead of blocking the suite. A failed check
+    fails at once; a process killed by a signal (gloo rarely aborts at process exit on this
+    2-core machine) is tried once more."""
+    for attempt in range(tries):
+        store = str(tmp_path / f"store-{time.monotonic_ns()}")
+        context = mp.spawn(
+            _init_and_run, args=(step, world, store, fn, args), nprocs=world, join=False
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"{fn.__name__} on {world} ranks took over {timeout} s")
+            return
+        except mp.ProcessExitedException as error:
+            if attempt == tries - 1:
+                raise
+            print(f"retrying {fn.__name__}: {error}", file=sys.stderr)
+
+
+def _init_and_run(rank, step, world, store_path, fn, args):
+    sys.path.insert(0, str(ROOT / step))
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    fn(rank, world, *args)
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
+    dist.destroy_process_group()

@@ -27,7 +27,7 @@ STEP_CHANGES = {
     "step2_process_group_manager": {"process_group_manager.py", "train.py", "README.md"},
     "step3_dataloader": {"dataloader.py", "checkpoint.py", "train.py", "README.md"},
     "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
-    "step5_data_parallel_naive": {"data_parallel.py", "train.py", "README.md"},
+    "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
     "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
     "step7_pipeline_parallel_afab": {"pipeline_parallel.py", "train.py", "README.md"},
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},

@@ -1,32 +1,14 @@
 """Step 4: each tensor-parallel layer against its dense reference, the whole model against the
 single-device model, and tp training against step 3's single-process run."""
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import ROOT, TINY, check, import_step, read_log, run_step
+from conftest import TINY, check, import_step, read_log, run_step, spawn
 
 STEP = "step4_tensor_parallel"
 tp_lib = import_step(STEP, "tensor_parallel")
-
-
-def spawn(fn, world, tmp_path, *args):
-    mp.spawn(_init_and_run, args=(world, str(tmp_path / "store"), fn, args), nprocs=world)
-
-
-def _init_and_run(rank, world, store_path, fn, args):
-    sys.path.insert(0, str(ROOT / STEP))
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def close(actual, expected, what):
@@ -103,7 +85,7 @@ def layers_worker(rank, world, batch_shape):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("batch_shape", [(3, 5), (1, 7), (2, 1)], ids=str)
 def test_layers_match_dense(tmp_path, world, batch_shape):
-    spawn(layers_worker, world, tmp_path, batch_shape)
+    spawn(STEP, layers_worker, world, tmp_path, batch_shape)
 
 
 def model_worker(rank, world, tied):
@@ -154,7 +136,7 @@ def model_worker(rank, world, tied):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_model_matches_single_device(tmp_path, tied):
-    spawn(model_worker, 2, tmp_path, tied)
+    spawn(STEP, model_worker, 2, tmp_path, tied)
 
 
 def test_refuses_bad_tp_sizes():
