@@ -1,9 +1,10 @@
 """Checkpoints that survive a crash and resume a run exactly.
 
-A checkpoint is a folder `step_000100/` holding the weights (safetensors) and, beside them, the
-optimizer, the learning-rate schedule, the random-number generators and the data position. It is
-written under a temporary name and renamed only when complete, and the `latest` file is replaced
-the same way, so a crash mid-save leaves the previous checkpoint as it was.
+A checkpoint is a folder `step_000100/` holding the model's config.json, the weights (safetensors)
+and, beside them, the optimizer, the learning-rate schedule, the random-number generators and the
+data position. It is written under a temporary name and renamed only when complete, and the
+`latest` file is replaced the same way, so a crash mid-save leaves the previous checkpoint as it
+was.
 """
 
 import os
@@ -28,6 +29,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        model.config.save_pretrained(tmp)  # the full model's shape, for export and sampling
         write_state(tmp, step, model, optimizer, scheduler, loader)
         if final.exists():  # saving the same step again, after a resume
             shutil.rmtree(final)

@@ -201,9 +201,10 @@ def is_sharded(module):
     return isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
 
 
-def clip_grad_norm(model, max_norm, group):
-    """Clip by the norm of the whole model's gradient: the squares of sharded gradients are summed
-    across the group, those of replicated ones (the RMSNorm weights) are counted once."""
+def grad_squares(model, group):
+    """The parameters with a gradient, and the sum of their gradients' squares over the whole
+    tensor-parallel group: sharded ones summed across the group, replicated ones (the RMSNorm
+    weights, equal on every rank) counted once."""
     sharded, replicated, seen = [], [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -216,8 +217,14 @@ def clip_grad_norm(model, max_norm, group):
     def squares(params):
         return sum((p.grad.float().pow(2).sum() for p in params), torch.zeros((), device=device))
 
-    sharded_sq = squares(sharded)
-    dist.all_reduce(sharded_sq, group=group)
-    total_norm = (sharded_sq + squares(replicated)).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(sharded + replicated, max_norm, total_norm)
+    total = squares(sharded)
+    dist.all_reduce(total, group=group)
+    return sharded + replicated, total + squares(replicated)
+
+
+def clip_grad_norm(model, max_norm, group):
+    """Clip by the norm of the whole model's gradient, not of this rank's slices."""
+    params, squares = grad_squares(model, group)
+    total_norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

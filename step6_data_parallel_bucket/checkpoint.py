@@ -1,9 +1,10 @@
 """Checkpoints that survive a crash and resume a run exactly.
 
-A checkpoint is a folder `step_000100/` holding the weights (safetensors) and, beside them, the
-optimizer, the learning-rate schedule, the random-number generators and the data position. It is
-written under a temporary name and renamed only when complete, and the `latest` file is replaced
-the same way, so a crash mid-save leaves the previous checkpoint as it was.
+A checkpoint is a folder `step_000100/` holding the model's config.json, the weights (safetensors)
+and, beside them, the optimizer, the learning-rate schedule, the random-number generators and the
+data position. It is written under a temporary name and renamed only when complete, and the
+`latest` file is replaced the same way, so a crash mid-save leaves the previous checkpoint as it
+was.
 
 With tensor parallelism each rank holds a slice of the weights and of the optimizer state, so
 every tensor-parallel rank writes its own shard (`model-tp1-of-2.safetensors`), and a run resumes
@@ -36,6 +37,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm):
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        model.config.save_pretrained(tmp)  # the full model's shape, for export and sampling
     dist.barrier()
     if pgm.dp_rank == 0:  # any other replicas hold the same shards
         write_state(tmp, shard_name(pgm), step, model, optimizer, scheduler, loader)

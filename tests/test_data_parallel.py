@@ -241,7 +241,7 @@ def test_dp2_checkpoint_written_once_and_resumed(tmp_path, baseline):
     extra = ["--dp_size", "2", "--save_dir", str(save), "--save_every", "10"]
     train(BUCKET, tmp_path, "first", nproc=2, accumulation=2, extra=extra)
     files = sorted(p.name for p in (save / "step_000010").iterdir())
-    assert files == ["model-tp0-of-1.safetensors", "trainer_state-tp0-of-1.pt"]
+    assert files == ["config.json", "model-tp0-of-1.safetensors", "trainer_state-tp0-of-1.pt"]
     (save / "latest").write_text("step_000010")
     records = train(
         BUCKET, tmp_path, "resumed", nproc=2, accumulation=2, extra=[*extra, "--resume"]

@@ -204,6 +204,7 @@ def test_tp2_resume_in_same_layout(tmp_path, baseline):
     train(STEP, tmp_path, "first", nproc=2, extra=extra)
     files = sorted(p.name for p in (save / "step_000010").iterdir())
     assert files == [
+        "config.json",
         "model-tp0-of-2.safetensors",
         "model-tp1-of-2.safetensors",
         "trainer_state-tp0-of-2.pt",

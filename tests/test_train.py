@@ -42,6 +42,7 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     first = tmp_path / "first.jsonl"
     step3(tmp_path, "--save_dir", str(save_dir), "--save_every", "10", "--log_file", str(first))
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_000010", "step_000020"]
+    assert (save_dir / "step_000010" / "config.json").is_file()
     # Pretend the run died after step 10: its latest checkpoint is step 10.
     (save_dir / "latest").write_text("step_000010")
     resumed = tmp_path / "resumed.jsonl"
