@@ -29,7 +29,12 @@ STEP_CHANGES = {
     "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
     "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
     "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
-    "step7_pipeline_parallel_afab": {"pipeline_parallel.py", "train.py", "README.md"},
+    "step7_pipeline_parallel_afab": {
+        "pipeline_parallel.py",
+        "checkpoint.py",
+        "train.py",
+        "README.md",
+    },
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
     "step9_3d_parallel": {"process_group_manager.py", "train.py", "README.md"},
 }

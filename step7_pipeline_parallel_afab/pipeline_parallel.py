@@ -1,0 +1,145 @@
+"""Pipeline parallelism: the decoder layers cut into pp_size consecutive stages, one per rank.
+
+The first stage also owns the embedding, the last the final norm and lm_head. A micro-batch's
+activations travel forward from stage to stage (point-to-point send/recv, shapes known in
+advance), and their gradients travel back. The schedule decides the order: AFAB runs every
+micro-batch of the step forward, then every one backward. Each stage builds only its own layers,
+with the same names (and so the same initial weights) as in the single-device model.
+"""
+
+# B micro-batch, T tokens, D hidden, V vocab
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tensor_parallel import grad_squares
+
+
+def stage_layers(num_layers, pp_rank, pp_size):
+    """The layers of stage pp_rank: consecutive, balanced, the first stages taking one more when
+    pp_size does not divide num_layers (5 layers over 2 stages: 0-2, 3-4)."""
+    per_stage, extra = divmod(num_layers, pp_size)
+    start = pp_rank * per_stage + min(pp_rank, extra)
+    return range(start, start + per_stage + (pp_rank < extra))
+
+
+def check_pipeline_parallel(config, pp_size):
+    if pp_size > config.num_hidden_layers:
+        raise ValueError(
+            f"pp_size={pp_size} is larger than num_hidden_layers={config.num_hidden_layers}: "
+            f"every stage needs at least one layer"
+        )
+    if pp_size > 1 and config.tie_word_embeddings:
+        raise ValueError(
+            "tie_word_embeddings=True with pp_size > 1 is not supported: the embedding and lm_head "
+            "live on different stages; use an untied config or pp_size=1"
+        )
+
+
+def keep_stage(model, pgm):
+    """Drop what this stage does not run. Call it on the meta device, before any weight exists.
+    The layers kept are keyed by their global index, so their state-dict names are those of the
+    single-device model."""
+    layers = stage_layers(len(model.model.layers), pgm.pp_rank, pgm.pp_size)
+    model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+    if not pgm.pp_is_first_stage:
+        model.model.embed_tokens = None
+    if not pgm.pp_is_last_stage:
+        model.model.norm, model.lm_head = None, None
+    return model
+
+
+class PipelineParallel(nn.Module):
+    """This stage's forward: token ids or the previous stage's activations in, activations or
+    (last stage) logits out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        inner = self.model.model
+        if inner.embed_tokens is not None:
+            x = inner.embed_tokens(x)  # (B, T) -> (B, T, D)
+        for layer in inner.layers.values():
+            x = layer(x)
+        if self.model.lm_head is not None:
+            x = self.model.lm_head(inner.norm(x))  # (B, T, V/tp)
+        return x
+
+
+### begin Communication
+def recv_forward(shape, pgm, device):
+    """The previous stage's activations; they will need a gradient, to be sent back."""
+    if pgm.pp_is_first_stage:
+        return None
+    x = torch.empty(shape, device=device)  # activations travel in fp32 (the residual stream)
+    dist.recv(x, src=pgm.pp_prev_rank)
+    return x.requires_grad_()
+
+
+def send_forward(y, pgm):
+    if not pgm.pp_is_last_stage:
+        dist.send(y.detach().float().contiguous(), dst=pgm.pp_next_rank)
+
+
+def recv_backward(shape, pgm, device):
+    """The gradient of this stage's output, from the next stage (none on the last: the loss)."""
+    if pgm.pp_is_last_stage:
+        return None
+    grad = torch.empty(shape, device=device)
+    dist.recv(grad, src=pgm.pp_next_rank)
+    return grad
+
+
+def send_backward(grad, pgm):
+    if not pgm.pp_is_first_stage:
+        dist.send(grad.contiguous(), dst=pgm.pp_prev_rank)
+
+
+### end Communication
+def forward_step(model, inputs, shape, pgm, device):
+    """One micro-batch through this stage; returns (this stage's input, its output)."""
+    x = inputs if pgm.pp_is_first_stage else recv_forward(shape, pgm, device)
+    y = model(x)
+    send_forward(y, pgm)
+    return x, y
+
+
+def backward_step(x, y, shape, pgm, device):
+    """Backward through this stage, from the next stage's gradient (or the loss), and send the
+    gradient of the input to the previous stage."""
+    torch.autograd.backward(y, grad_tensors=recv_backward(shape, pgm, device))
+    if not pgm.pp_is_first_stage:
+        send_backward(x.grad, pgm)
+
+
+def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype):
+    """All forward, then all backward. Every stage holds the activations of every micro-batch
+    until its backward. Returns the step's loss on the last stage (zero on the others)."""
+    held, total = [], torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            x, y = forward_step(model, inputs, shape, pgm, device)
+        if pgm.pp_is_last_stage:
+            # Divided by the number of micro-batches, as in step 3: the gradients are then those
+            # of one process with the same accumulation, not m times larger.
+            y = loss_fn(y, targets) / len(micro_batches)
+            total += y.detach()
+        held.append((x, y))
+    for i, (x, y) in enumerate(held):
+        # Data-parallel gradients are averaged once, during the step's last backward.
+        model.require_backward_grad_sync = i == len(held) - 1
+        backward_step(x, y, shape, pgm, device)
+    return total
+
+
+def clip_grad_norm(model, max_norm, pgm):
+    """Clip by the whole model's gradient norm: each stage's squares (already summed over its
+    tensor-parallel group) are summed over the stages."""
+    params, squares = grad_squares(model, pgm.tp_group)
+    dist.all_reduce(squares, group=pgm.pp_group)
+    total_norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm

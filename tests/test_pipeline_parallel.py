@@ -1,0 +1,176 @@
+"""Steps 7 and 8: pipeline gradients against one process for AFAB and 1F1B, no deadlock across a
+matrix of stages and micro-batches, the in-flight peaks, and training like step 3."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, check, import_step, read_log, run_step, spawn
+
+AFAB, ONE_F_ONE_B = "step7_pipeline_parallel_afab", "step8_pipeline_parallel_1f1b"
+
+
+def config(layers):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+
+
+def micro_batches(m):
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (m, 2, 9), generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def schedule_worker(rank, world, cases):
+    from process_group_manager import ProcessGroupManager
+
+    pgm = ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
+    for engine in ["afab", "1f1b"]:
+        for layers, m in cases:
+            check_schedule(rank, world, pgm, engine, layers, m)
+
+
+def check_schedule(rank, world, pgm, engine, layers, m):
+    import pipeline_parallel as pp
+    from model import LlamaForCausalLM
+
+    reference = LlamaForCausalLM(config(layers))
+    reference.init_weights(seed=9)
+    batches = micro_batches(m)
+    loss_ref = sum(F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) / m for x, y in batches)
+    loss_ref.backward()
+
+    with torch.device("meta"):
+        model = pp.keep_stage(LlamaForCausalLM(config(layers)), pgm)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=9)
+    expected_layers = [str(i) for i in pp.stage_layers(layers, rank, world)]
+    assert list(model.model.layers.keys()) == expected_layers
+    stage = pp.PipelineParallel(model)
+    step = pp.train_step_1f1b if engine == "1f1b" else pp.train_step_afab
+    loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    schedule = pp.Schedule()
+    total = step(stage, batches, loss_fn, (2, 8, 32), pgm, torch.device("cpu"), torch.float32,
+                 schedule)  # fmt: skip
+    if pgm.pp_is_last_stage:
+        torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-6, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7,
+            msg=lambda msg, name=name: f"{engine} m={m} stage {rank} {name}: {msg}",
+        )  # fmt: skip
+    # Every micro-batch went forward and backward once, in the schedule's order.
+    forwards = [f"F{k}" for k in range(1, m + 1)]
+    assert sorted(schedule.timeline) == sorted(forwards + [f"B{k}" for k in range(1, m + 1)])
+    expected_peak = m if engine == "afab" else min(world - rank, m)
+    assert schedule.peak_in_flight == expected_peak, (rank, schedule.timeline)
+    # AFAB runs every forward first; 1F1B its warm-up forwards and one more, then a backward.
+    first_backward = m if engine == "afab" else min(world - rank, m)
+    assert schedule.timeline[:first_backward] == forwards[:first_backward], schedule.timeline
+    assert schedule.timeline[first_backward] == "B1"
+
+
+# (layers, micro-batches) per number of stages: uneven layer counts, and accumulation of 1,
+# below, equal to and above pp_size.
+CASES = {
+    2: [(2, 4), (3, 1), (5, 3), (2, 2)],
+    3: [(4, 3), (3, 2), (5, 7)],
+    4: [(4, 8), (5, 2), (4, 1), (4, 4)],
+}
+
+
+@pytest.mark.parametrize("pp", sorted(CASES))
+def test_pipeline_gradients_equal_one_process(tmp_path, pp):
+    """Loss and every gradient, AFAB and 1F1B, against one process with the same accumulation;
+    a deadlock fails the test after two minutes."""
+    spawn(ONE_F_ONE_B, schedule_worker, pp, tmp_path, CASES[pp], timeout=120)
+
+
+def test_stage_layers_are_balanced_and_cover_the_model():
+    pp = import_step(AFAB, "pipeline_parallel")
+    for layers in range(1, 9):
+        for size in range(1, layers + 1):
+            stages = [list(pp.stage_layers(layers, r, size)) for r in range(size)]
+            assert [i for stage in stages for i in stage] == list(range(layers))
+            assert max(map(len, stages)) - min(map(len, stages)) <= 1
+    assert [list(pp.stage_layers(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+
+
+def test_bad_pipeline_shapes_are_refused():
+    pp = import_step(AFAB, "pipeline_parallel")
+    with pytest.raises(ValueError, match="pp_size=4 is larger than num_hidden_layers=3"):
+        pp.check_pipeline_parallel(config(3), 4)
+    tied = config(4)
+    tied.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        pp.check_pipeline_parallel(tied, 2)
+    pp.check_pipeline_parallel(tied, 1)
+
+
+def test_too_many_stages_exit_on_every_rank():
+    result = run_step(AFAB, [*TINY, "--pp_size", "3"], nproc=3, timeout=120)
+    assert result.returncode != 0
+    assert "pp_size=3 is larger than num_hidden_layers=2" in result.stdout + result.stderr
+
+
+def train(step, tmp_path, name, nproc=1, accumulation=4, extra=()):
+    log_file = tmp_path / f"{name}.jsonl"
+    args = [*TINY, "--num_hidden_layers", "3", "--max_steps", "20"]
+    args += ["--gradient_accumulation_steps", str(accumulation), "--eval_every", "10"]
+    args += ["--eval_steps", "4", "--num_proc", "1", "--sample_tokens", "8"]
+    args += ["--log_file", str(log_file), *extra]
+    result = check(run_step(step, args, nproc=nproc))
+    return read_log(log_file), result
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Step 3, one process, 3 layers, accumulation 4."""
+    return train("step3_dataloader", tmp_path_factory.mktemp("base"), "base")
+
+
+def assert_same_training(records, expected):
+    assert [r["step"] for r in records] == [r["step"] for r in expected]
+    for got, want in zip(records, expected, strict=True):
+        # A loss not divided by the number of micro-batches doubles the gradient at once.
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
+        if "val_loss" in want:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
+
+
+def test_afab_pp2_uneven_trains_like_one_process(tmp_path, baseline):
+    records, result = train(AFAB, tmp_path, "pp2", nproc=2, extra=["--pp_size", "2"])
+    assert_same_training(records, baseline[0])
+    sample = result.stdout.split("sample:")[1].splitlines()[0]
+    assert sample == baseline[1].stdout.split("sample:")[1].splitlines()[0]
+
+
+def test_1f1b_pp2_dp2_trains_like_one_process(tmp_path, baseline):
+    extra = ["--pp_size", "2", "--dp_size", "2", "--pp_engine", "1f1b"]
+    records, _ = train(ONE_F_ONE_B, tmp_path, "pp2dp2", nproc=4, accumulation=2, extra=extra)
+    assert_same_training(records, baseline[0])
+
+
+def test_1f1b_pp2_tp2_resumes_like_one_process(tmp_path, baseline):
+    save = tmp_path / "ckpt"
+    extra = ["--pp_size", "2", "--tp_size", "2", "--pp_engine", "1f1b", "--save_dir", str(save)]
+    extra += ["--save_every", "10"]
+    records, _ = train(ONE_F_ONE_B, tmp_path, "pp2tp2", nproc=4, extra=extra)
+    assert_same_training(records, baseline[0])
+    files = sorted(p.name for p in (save / "step_000010").glob("model-*"))
+    assert files == [f"model-pp{p}-of-2-tp{t}-of-2.safetensors" for p in (0, 1) for t in (0, 1)]
+    (save / "latest").write_text("step_000010")
+    resumed, _ = train(ONE_F_ONE_B, tmp_path, "resumed", nproc=4, extra=[*extra, "--resume"])
+    assert_same_training(resumed, baseline[0][10:])
+
+
+def test_timeline_flag_prints_each_stage(tmp_path):
+    args = [*TINY, "--max_steps", "1", "--pp_size", "2", "--pp_engine", "1f1b", "--pp_timeline"]
+    args += ["--gradient_accumulation_steps", "3", "--num_proc", "1", "--sample_tokens", "2"]
+    result = check(run_step(ONE_F_ONE_B, args, nproc=2))
+    assert "pp stage 0 1f1b: F1 F2 B1 F3 B2 B3 | held at most 2" in result.stdout
+    assert "pp stage 1 1f1b: F1 B1 F2 B2 F3 B3 | held at most 1" in result.stdout

@@ -1,0 +1,116 @@
+"""Continue a prompt with the model of a pico3d checkpoint of any parallel layout.
+
+The shards are merged in this one process (load_merged_state_dict in export_hf.py), so a
+checkpoint that eight ranks wrote samples on a laptop. The model is transformers' own
+LlamaForCausalLM, so this tool depends on no step folder.
+
+    python tools/sample.py checkpoints/run --prompt "Once upon a time" --temperature 0
+"""
+
+# T tokens, V vocabulary, k top-k
+
+import argparse
+import sys
+
+import torch
+from export_hf import (
+    EMBED,
+    LM_HEAD,
+    ROOT,
+    add_model_args,
+    config_from_args,
+    load_merged_state_dict,
+    resolve_tokenizer,
+)
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a step folder, or a run folder with a `latest` file")
+    parser.add_argument("--prompt", default="Once upon a time")
+    parser.add_argument("--num_tokens", type=int, default=60, help="tokens to add to the prompt")
+    parser.add_argument(
+        "--tokenizer_name",
+        default=str(ROOT / "assets" / "tokenizers" / "tinytales"),
+        help="assets/tokenizers/NAME or a tokenizer folder",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top_k", type=int, default=20, help="draw among the k likeliest tokens")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    if args.num_tokens < 0 or args.top_k < 1 or args.temperature < 0:
+        parser.error(
+            f"need --num_tokens >= 0, --top_k >= 1 and --temperature >= 0; got "
+            f"{args.num_tokens}, {args.top_k} and {args.temperature}"
+        )
+    return args
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_model(state_dict, config, device):
+    """transformers' Llama holding the merged weights. Loading is strict, so a key that the
+    merge got wrong fails here instead of leaving a randomly initialised weight."""
+    with device:
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:  # the model lists the shared table under both names
+        state_dict = {**state_dict, LM_HEAD: state_dict[EMBED]}
+    model.load_state_dict(state_dict, strict=True)
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt, num_tokens, seed=0, top_k=20, temperature=0.8):
+    """Continue `prompt` one token at a time: with temperature 0 the likeliest token, else a
+    draw among the top-k logits divided by the temperature, from a generator seeded by `seed`."""
+    device = model.device
+    generator = torch.Generator(device).manual_seed(seed)
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], device=device)
+    if ids.numel() == 0:
+        raise ValueError(f"the prompt {prompt!r} has no tokens")
+    context = model.config.max_position_embeddings  # RoPE was trained on no longer sequences
+    for _ in range(num_tokens):
+        logits = model(ids[:, -context:], use_cache=False).logits[:, -1].float()  # (1, V)
+        if temperature == 0:
+            next_id = logits.argmax(-1, keepdim=True)  # (1, 1)
+        else:
+            top, index = (logits / temperature).topk(min(top_k, logits.size(-1)))  # (1, k)
+            choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
+            next_id = index.gather(-1, choice)  # (1, 1)
+        ids = torch.cat([ids, next_id], dim=1)  # (1, T + 1)
+    return tokenizer.decode(ids[0])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    try:
+        state_dict, config = load_merged_state_dict(args.checkpoint, config_from_args(args))
+        folder = resolve_tokenizer(args.tokenizer_name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"the tokenizer {args.tokenizer_name} has {len(tokenizer)} tokens, more than "
+                f"the model's vocab_size={config.vocab_size}"
+            )
+        model = build_model(state_dict, config, device)
+        num_params = sum(p.numel() for p in model.parameters())
+        print(f"{args.checkpoint}: {num_params:,} parameters on {device}", file=sys.stderr)
+        text = sample(
+            model, tokenizer, args.prompt, args.num_tokens, args.seed, args.top_k, args.temperature
+        )
+    except ValueError as error:
+        sys.exit(f"sample.py: error: {error}")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
