@@ -78,7 +78,8 @@ def test_step3_wandb_offline(tmp_path):
     assert list(runs[0].glob("*.wandb")), "no run data written"
 
 
-def test_step3_on_two_ranks(tmp_path):
-    result = step3(tmp_path, "--dp_size", "2", steps=3, nproc=2)
+def test_step3_on_two_ranks_stops_at_max_tokens(tmp_path):
+    # One step is 2 rows x 32 tokens: 200 tokens allow 3 steps of the 20 asked for.
+    result = step3(tmp_path, "--dp_size", "2", "--max_tokens", "200", steps=20, nproc=2)
     assert "sample:" in result.stdout
-    assert len(losses(result.stdout)) == 3
+    assert sorted(losses(result.stdout)) == [1, 2, 3]
