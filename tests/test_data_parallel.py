@@ -4,7 +4,7 @@ the well-known tensor-hook bug; the loader's split; the overlap; training like s
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, check, import_step, read_log, run_step, spawn
+from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
 
 NAIVE, BUCKET = "step5_data_parallel_naive", "step6_data_parallel_bucket"
 
@@ -209,18 +209,6 @@ def train(step, tmp_path, name, nproc=1, accumulation=4, extra=()):
 def baseline(tmp_path_factory):
     """Step 3, one process, accumulation 4: the global batch of dp 2 x accumulation 2."""
     return train("step3_dataloader", tmp_path_factory.mktemp("base"), "base")
-
-
-def assert_same_training(records, expected):
-    assert [r["step"] for r in records] == [r["step"] for r in expected]
-    for got, want in zip(records, expected, strict=True):
-        # A gradient summed instead of averaged, or a shard offset by one micro-batch, moves the
-        # loss within a few steps by far more than this.
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
-        assert got["tokens"] == want["tokens"]
-        if "val_loss" in want:
-            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
 
 
 @pytest.mark.parametrize("step", [NAIVE, BUCKET])

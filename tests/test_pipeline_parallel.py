@@ -4,7 +4,7 @@ matrix of stages and micro-batches, the in-flight peaks, and training like step 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, check, import_step, read_log, run_step, spawn
+from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
 
 AFAB, ONE_F_ONE_B = "step7_pipeline_parallel_afab", "step8_pipeline_parallel_1f1b"
 
@@ -130,16 +130,6 @@ def train(step, tmp_path, name, nproc=1, accumulation=4, extra=()):
 def baseline(tmp_path_factory):
     """Step 3, one process, 3 layers, accumulation 4."""
     return train("step3_dataloader", tmp_path_factory.mktemp("base"), "base")
-
-
-def assert_same_training(records, expected):
-    assert [r["step"] for r in records] == [r["step"] for r in expected]
-    for got, want in zip(records, expected, strict=True):
-        # A loss not divided by the number of micro-batches doubles the gradient at once.
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
-        if "val_loss" in want:
-            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
 
 
 def test_afab_pp2_uneven_trains_like_one_process(tmp_path, baseline):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import TINY, check, import_step, read_log, run_step, spawn
+from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
 
 STEP = "step4_tensor_parallel"
 tp_lib = import_step(STEP, "tensor_parallel")
@@ -170,17 +170,6 @@ def baseline(tmp_path_factory):
     """Step 3 on one process: the reference every layout must reproduce."""
     records, result = train("step3_dataloader", tmp_path_factory.mktemp("base"), "base")
     return records, result
-
-
-def assert_same_training(records, expected):
-    assert [r["step"] for r in records] == [r["step"] for r in expected]
-    for got, want in zip(records, expected, strict=True):
-        # fp32 on the CPU: only the order of the sums differs. A wrong initial slice or a missing
-        # all-reduce changes the loss in the second or first decimal.
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
-        if "val_loss" in want:
-            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
 
 
 def test_tp2_trains_like_one_process(tmp_path, baseline):
