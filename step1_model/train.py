@@ -57,7 +57,13 @@ def parse_args(argv=None):
     system.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU")
     system.add_argument("--log_every", type=int, default=1)
     args = parser.parse_args(argv)
-    for name in ["seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"]:
+    for name in [
+        "seq_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+    ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args

@@ -65,7 +65,13 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
     args = parser.parse_args(argv)
-    for name in ["seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"]:
+    for name in [
+        "seq_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+    ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     return args

@@ -87,7 +87,16 @@ def parse_args(argv=None):
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
     args = parser.parse_args(argv)
-    for name in ["seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"]:
+    for name in [
+        "seq_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+        "eval_steps",
+        "save_every",
+        "num_proc",
+    ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.resume and not args.save_dir:

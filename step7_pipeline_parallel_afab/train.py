@@ -99,7 +99,16 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.pp_engine != "afab":
         parser.error(f"--pp_engine {args.pp_engine} comes in step 8; this step runs afab")
-    for name in ["seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"]:
+    for name in [
+        "seq_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+        "eval_steps",
+        "save_every",
+        "num_proc",
+    ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.resume and not args.save_dir:

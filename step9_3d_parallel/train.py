@@ -105,7 +105,16 @@ def parse_args(argv=None):
     run.add_argument("--run_name", default="pico3d")
     run.add_argument("--init_from_hf", help="start from a transformers Llama folder (safetensors)")
     args = parser.parse_args(argv)
-    for name in ["seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"]:
+    for name in [
+        "seq_len",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+        "eval_steps",
+        "save_every",
+        "num_proc",
+    ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.init_from_hf and any(getattr(args, name) is not None for name in OVERRIDES):
