@@ -105,34 +105,32 @@ def send_backward(grad, pgm):
         dist.send(grad.contiguous(), dst=pgm.pp_prev_rank)
 
 
-def send_forward_recv_backward(y, shape, pgm, device):
-    """Send this micro-batch's output and receive the gradient of an older one, posted together:
-    the next stage does the mirror image, and two blocking sends facing each other would wait
+def exchange(tensor, shape, peer, device):
+    """Send `tensor` to `peer` and receive a tensor of `shape` from it, the two posted together:
+    the neighbour does the mirror image, and two blocking sends facing each other would wait
     forever."""
-    if pgm.pp_is_last_stage:
-        return None
-    grad = torch.empty(shape, device=device)
+    received = torch.empty(shape, device=device)
     ops = [
-        dist.P2POp(dist.isend, y.detach().float().contiguous(), pgm.pp_next_rank),
-        dist.P2POp(dist.irecv, grad, pgm.pp_next_rank),
+        dist.P2POp(dist.isend, tensor.contiguous(), peer),
+        dist.P2POp(dist.irecv, received, peer),
     ]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
-    return grad
+    return received
+
+
+def send_forward_recv_backward(y, shape, pgm, device):
+    """Send this micro-batch's output, receive the gradient of the oldest one held."""
+    if pgm.pp_is_last_stage:
+        return None
+    return exchange(y.detach().float(), shape, pgm.pp_next_rank, device)
 
 
 def send_backward_recv_forward(grad, shape, pgm, device):
-    """Send an input's gradient back and receive the next micro-batch's input, posted together."""
+    """Send an input's gradient back, receive the next micro-batch's input."""
     if pgm.pp_is_first_stage:
         return None
-    x = torch.empty(shape, device=device)
-    ops = [
-        dist.P2POp(dist.isend, grad.contiguous(), pgm.pp_prev_rank),
-        dist.P2POp(dist.irecv, x, pgm.pp_prev_rank),
-    ]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return x.requires_grad_()
+    return exchange(grad, shape, pgm.pp_prev_rank, device).requires_grad_()
 
 
 ### end Communication
