@@ -18,7 +18,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import (
+    check_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    local_parameters,
+    narrow,
+    save_checkpoint,
+)
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_splits, load_tokenizer, tokenize
 from model import LlamaForCausalLM
@@ -34,10 +41,7 @@ from pipeline_parallel import (
 )
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
-    ColumnParallelLinear,
     Gather,
-    RowParallelLinear,
-    VocabParallelEmbedding,
     apply_tensor_parallel,
     check_tensor_parallel,
     vocab_parallel_cross_entropy,
@@ -227,32 +231,19 @@ def load_hf_weights(model, directory):
         raise ValueError(f"--init_from_hf {directory}: no *.safetensors files there")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {key: handle for handle in handles for key in handle.keys()}
-    done = set()
-    for prefix, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in done:  # tied embeddings: loaded once
-                continue
-            done.add(id(param))
-            key = f"{prefix}.{name}"
-            if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
-                key = "model.embed_tokens.weight"  # transformers omits the tied head
-            if key not in where:
-                raise ValueError(f"--init_from_hf {directory}: no tensor {key}")
-            full = where[key].get_slice(key)
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                start = module.tp_rank * param.shape[0]  # rows: output features, vocabulary
-                value = full[start : start + param.shape[0]]
-            elif isinstance(module, RowParallelLinear):
-                start = module.tp_rank * param.shape[1]  # columns: input features
-                value = full[:, start : start + param.shape[1]]
-            else:
-                value = full[:]  # replicated: the RMSNorm weights
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"--init_from_hf {directory}: {key} has shape {tuple(full.get_shape())}, "
-                    f"which does not give this rank's {tuple(param.shape)}"
-                )
-            param.copy_(value)
+    # Each parameter once (tied embeddings: once), with the rows or columns this rank holds.
+    for key, param, dim, start, shape in local_parameters(model):
+        if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
+            key = "model.embed_tokens.weight"  # transformers omits the tied head
+        if key not in where:
+            raise ValueError(f"--init_from_hf {directory}: no tensor {key}")
+        full = where[key].get_slice(key)
+        if full.get_shape() != shape:
+            raise ValueError(
+                f"--init_from_hf {directory}: {key} has shape {tuple(full.get_shape())}, "
+                f"this model's is {tuple(shape)}"
+            )
+        param.copy_(full[:] if dim is None else narrow(full, dim, start, param.shape[dim]))
 
 
 ### end Hugging Face import
@@ -392,21 +383,62 @@ class MetricsLog:
             self.wandb.finish()
 
 
-def resume(args, model, optimizer, scheduler, train_loader, device, pgm):
-    """With --resume, load save_dir's latest checkpoint; returns the step to continue after."""
+def checkpoint_to_resume(args, config):
+    """With --resume, save_dir's latest checkpoint and its index, checked against this model
+    before any weight exists; None to start from step 0."""
     path = latest_checkpoint(args.save_dir) if args.save_dir else None
     if not args.resume:
         if path:
             log(
                 f"warning: {args.save_dir} holds {path.name}; without --resume this run starts over"
             )
-        return 0
+        return None
     if path is None:
         log(f"--resume: no checkpoint in {args.save_dir} yet, starting from step 0")
+        return None
+    return path, check_checkpoint(path, config)
+
+
+def resume(checkpoint, args, model, optimizer, scheduler, train_loader, pgm):
+    """Load the checkpoint into this layout, whatever layout saved it; returns its step."""
+    if checkpoint is None:
         return 0
-    step = load_checkpoint(path, model, optimizer, scheduler, train_loader, device, pgm)
-    log(f"resumed from {path} at step {step}")
+    path, index = checkpoint
+    step, saved = load_checkpoint(path, index, model, optimizer, scheduler, train_loader)
+    layouts = [
+        " x ".join(f"{axis} {sizes[f'{axis}_size']}" for axis in ["tp", "pp", "dp"])
+        for sizes in [index["layout"], vars(pgm)]
+    ]
+    log(f"resumed from {path} at step {step}: saved at {layouts[0]}, running at {layouts[1]}")
+    batch = global_batch(args, pgm)
+    if rows_per_step(batch) != rows_per_step(saved) or batch["seq_len"] != saved["seq_len"]:
+        # The data position counts rows, so the run goes on from there with other batches.
+        sizes = [
+            f"{rows_per_step(b)} rows "
+            f"({b['micro_batch_size']} x {b['gradient_accumulation_steps']} x {b['dp_size']}) "
+            f"of {b['seq_len']} tokens"
+            for b in [saved, batch]
+        ]
+        log(
+            f"the global batch (micro_batch_size x gradient_accumulation_steps x dp_size) "
+            f"changes from {sizes[0]} to {sizes[1]}; training goes on from row "
+            f"{train_loader.position:,} of the data"
+        )
     return step
+
+
+def rows_per_step(batch):
+    return batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["dp_size"]
+
+
+def global_batch(args, pgm):
+    """The sizes that make one step's batch, saved with every checkpoint."""
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "dp_size": pgm.dp_size,
+        "seq_len": args.seq_len,
+    }
 
 
 def main(argv=None):
@@ -416,6 +448,7 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     set_seed(args.seed)
     config = load_config(args)
+    checkpoint = checkpoint_to_resume(args, config)
     model = build_model(config, device, args.seed, pgm)
     if args.init_from_hf:
         load_hf_weights(model, args.init_from_hf)
@@ -431,7 +464,7 @@ def main(argv=None):
     )
 
     tokenizer, train_loader, val_loader = build_data(args, config, device, pgm)
-    start_step = resume(args, model, optimizer, scheduler, train_loader, device, pgm)
+    start_step = resume(checkpoint, args, model, optimizer, scheduler, train_loader, pgm)
     metrics = MetricsLog(args, append=start_step > 0)
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     tokens_per_step *= pgm.dp_size
@@ -465,8 +498,9 @@ def main(argv=None):
             )
         metrics.write(record)
         if args.save_dir and (step % args.save_every == 0 or last):
+            batch = global_batch(args, pgm)
             path = save_checkpoint(
-                args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
+                args.save_dir, step, model, optimizer, scheduler, train_loader, pgm, batch
             )
             log(f"saved {path}")
     metrics.close()
