@@ -396,7 +396,25 @@ def checkpoint_to_resume(args, config):
     if path is None:
         log(f"--resume: no checkpoint in {args.save_dir} yet, starting from step 0")
         return None
-    return path, check_checkpoint(path, config)
+    index = check_checkpoint(path, config)
+    try:  # build_model checks the same, but here the message can say what would work
+        check_tensor_parallel(config, args.tp_size)
+        check_pipeline_parallel(config, args.pp_size)
+    except ValueError as error:
+        tp_sizes = [t for t in range(1, config.num_attention_heads + 1) if valid_tp(config, t)]
+        raise ValueError(
+            f"cannot resume {path} at tp {args.tp_size} x pp {args.pp_size}: {error}. This "
+            f"model takes tp_size in {tp_sizes} and pp_size up to {config.num_hidden_layers}"
+        ) from error
+    return path, index
+
+
+def valid_tp(config, tp_size):
+    try:
+        check_tensor_parallel(config, tp_size)
+    except ValueError:
+        return False
+    return True
 
 
 def resume(checkpoint, args, model, optimizer, scheduler, train_loader, pgm):

@@ -38,6 +38,14 @@ def test_every_layout_trains_like_one_process(tmp_path, baseline):
         assert len(comparison.steps) == 12 and comparison.max_val_loss is not None, name
 
 
+@pytest.mark.parametrize("reshard", convergence.reshard_layouts(ACCUMULATION), ids=lambda r: r.name)
+def test_a_run_that_changes_layout_halfway_trains_like_one_process(tmp_path, baseline, reshard):
+    records = convergence.run_resharded(reshard, COMMON, tmp_path, 12, ENV, timeout=300)
+    comparison = convergence.compare(records, baseline)
+    print(f"\n{convergence.table({reshard.name: comparison})}")
+    assert comparison.ok, comparison.problems
+
+
 def test_launcher_without_bug_changes_nothing(tmp_path, baseline):
     """The control for the test below: the launcher alone trains exactly like train.py."""
     launcher = convergence.inject(None, tmp_path)

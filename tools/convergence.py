@@ -11,6 +11,8 @@ shows from the first step.
 
     python tools/convergence.py --steps 200 --out_dir runs/convergence
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
+    python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
+                                                               # another layout (step 9)
 
 `inject(bug)` writes a launcher that runs a step's train.py with one known bug patched in from
 outside, the step's files untouched, to show that the comparison catches it.
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +78,40 @@ def default_layouts(accumulation):
         Layout("tp2_dp2_pp2", STEP9, 8, (*grid, *bucket), half),
         Layout("pp3_1f1b", STEP9, 3, ("--pp_size", "3", "--pp_engine", "1f1b"), accumulation),
     ]
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A step-9 run that saves halfway in one layout and goes on from that checkpoint in
+    another."""
+
+    name: str
+    first: Layout
+    second: Layout
+
+
+def reshard_layouts(accumulation):
+    """Saved at pp 3 (one layer per stage), resumed at tp 2 x dp 2: every axis changes."""
+    pp3 = Layout("pp3", STEP9, 3, ("--pp_size", "3", "--pp_engine", "1f1b"), accumulation)
+    tp2_dp2 = Layout("tp2_dp2", STEP9, 4, ("--tp_size", "2", "--dp_size", "2"), accumulation // 2)
+    return [Reshard("pp3->tp2_dp2", pp3, tp2_dp2)]
+
+
+def run_resharded(reshard, common_args, out_dir, steps, env=None, timeout=600):
+    """Train `reshard.first` for `steps`, saving at steps // 2, then resume that checkpoint in
+    `reshard.second` up to `steps` (the first run goes to the end, so that both halves follow
+    the same learning-rate schedule). Returns the first half's log followed by the second's."""
+    out_dir, half = Path(out_dir) / reshard.name.replace(">", ""), steps // 2
+    save = ["--save_dir", str(out_dir / "checkpoints")]
+    first = replace(reshard.first, name="first")
+    records = run(
+        first, [*common_args, *save, "--save_every", str(half)], out_dir, env, None, timeout
+    )
+    (out_dir / "checkpoints" / "latest").write_text(f"step_{half:06d}")  # as if it stopped there
+    second = replace(reshard.second, name="second")
+    return records[:half] + run(
+        second, [*common_args, *save, "--resume"], out_dir, env, None, timeout
+    )
 
 
 def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
@@ -369,6 +405,12 @@ def parse_args(argv):
         "--rtol_late", type=float, default=1e-2, help="the later steps' loss and val_loss"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    parser.add_argument(
+        "--reshard",
+        action="store_true",
+        help=f"also {', '.join(r.name for r in reshard_layouts(2))}: half the steps in one "
+        f"layout, the rest in another from its checkpoint",
+    )
     args = parser.parse_args(argv)
     try:
         layouts = default_layouts(args.gradient_accumulation_steps)
@@ -403,6 +445,14 @@ def main(argv=None):
             print("failed")
             continue
         print(f"{time.perf_counter() - start:.0f} s")
+    for reshard in reshard_layouts(args.gradient_accumulation_steps) if args.reshard else []:
+        print(f"{reshard.name}: {reshard.first.nproc}, then {reshard.second.nproc} ...", flush=True)
+        try:
+            runs[reshard.name] = run_resharded(
+                reshard, common, out_dir, args.steps, None, args.timeout
+            )
+        except RuntimeError as error:
+            failures[reshard.name] = str(error).splitlines()[0]
     baseline = runs.pop("baseline")
     for name, records in runs.items():
         results[name] = compare(
