@@ -32,6 +32,7 @@ from model import LlamaForCausalLM
 from pipeline_parallel import (
     PipelineParallel,
     Schedule,
+    TiedEmbeddings,
     check_pipeline_parallel,
     clip_grad_norm,
     forward_step,
@@ -197,7 +198,8 @@ def build_model(config, device, seed, pgm):
         apply_tensor_parallel(model, pgm.tp_group)
         keep_stage(model, pgm)  # this stage's layers only
     model.to_empty(device=device)
-    model.tie_weights()
+    if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
+        model.tie_weights()
     model.init_weights(seed)
     return model
 
@@ -276,9 +278,10 @@ def loss_fn(logits, targets, pgm):
     return vocab_parallel_cross_entropy(logits, targets, pgm.tp_group)
 
 
-def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape):
+def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape` is that of the activations passed between stages, (B, T, D)."""
+    `shape` is that of the activations passed between stages, (B, T, D); `tied`, the embedding's
+    copies on the first and last stage."""
     model.zero_grad(set_to_none=True)
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
     pipeline_step = train_step_1f1b if args.pp_engine == "1f1b" else train_step_afab
@@ -287,7 +290,8 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     if args.pp_timeline:
         report_schedule(schedule, len(micro_batches), args.pp_engine, pgm)
     model.finish_gradient_synchronization()
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm)
+    tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
+    grad_norm = clip_grad_norm(model, args.grad_clip, pgm, tied)
     optimizer.step()
     scheduler.step()
     # The loss lives on the last stage: the sum over the pp group brings it to every rank.
@@ -473,6 +477,7 @@ def main(argv=None):
         log(f"weights from {args.init_from_hf}")
     optimizer, scheduler = build_optimizer(model, args, device)
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
+    tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
     step_fn = torch.compile(stage) if args.compile else stage
     # The wrapper averages gradients over dp; checkpoints save the model itself.
     step_fn = DataParallelBucket(step_fn, pgm.dp_group, args.bucket_size_mb)
@@ -492,7 +497,7 @@ def main(argv=None):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_step(
-            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape
+            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}

@@ -13,6 +13,7 @@ shows from the first step.
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
     python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
                                                                # another layout (step 9)
+    python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
 
 `inject(bug)` writes a launcher that runs a step's train.py with one known bug patched in from
 outside, the step's files untouched, to show that the comparison catches it.
@@ -112,6 +113,40 @@ def run_resharded(reshard, common_args, out_dir, steps, env=None, timeout=600):
     return records[:half] + run(
         second, [*common_args, *save, "--resume"], out_dir, env, None, timeout
     )
+
+
+def tied_layouts(accumulation):
+    """Layouts of a model with tied embeddings (see `tied_config`), whose embedding and lm_head
+    live on different stages: pp2 (step 7, AFAB), pp3 (step 8, 1F1B), tp2 x pp2 (step 8, AFAB)
+    and the 3D grid (step 9, 1F1B). With 5 layers both pp2 and pp3 are uneven."""
+    if accumulation % 2:
+        raise ValueError(
+            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+        )
+    half = accumulation // 2
+    tp2_pp2 = ("--tp_size", "2", "--pp_size", "2", "--pp_engine", "afab")
+    grid = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+    pp3 = ("--pp_size", "3", "--pp_engine", "1f1b")
+    return [
+        Layout(
+            "tied_pp2_afab", "step7_pipeline_parallel_afab", 2, ("--pp_size", "2"), accumulation
+        ),
+        Layout("tied_pp3_1f1b", "step8_pipeline_parallel_1f1b", 3, pp3, accumulation),
+        Layout("tied_tp2_pp2_afab", "step8_pipeline_parallel_1f1b", 4, tp2_pp2, accumulation),
+        Layout("tied_tp2_dp2_pp2", STEP9, 8, (*grid, "--bucket_size_mb", "0.05"), half),
+    ]
+
+
+def tied_config(model_name, directory):
+    """Write `model_name`'s config (assets/configs/NAME, a folder or a hub id) with
+    tie_word_embeddings=True into `directory`; returns the folder, for --model_name."""
+    from transformers import AutoConfig  # only here: the rest of the harness needs no torch
+
+    local = ROOT / "assets" / "configs" / model_name
+    config = AutoConfig.from_pretrained(str(local) if local.is_dir() else model_name)
+    config.tie_word_embeddings = True
+    config.save_pretrained(directory)
+    return Path(directory)
 
 
 def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
@@ -330,6 +365,16 @@ def init_parameter(self, name, make_full):
 tensor_parallel.ColumnParallelLinear.init_parameter = init_parameter
 """,
     ),
+    "tied_grad_not_summed": (
+        "tied_pp2_afab",
+        """
+import pipeline_parallel
+
+# The bug: no sum over the first and last stage, each copy of the tied embedding follows its own
+# gradient (the embedding's on the first stage, lm_head's on the last).
+pipeline_parallel.TiedEmbeddings.sum_gradients = lambda self: None
+""",
+    ),
 }
 
 
@@ -379,17 +424,28 @@ def parse_args(argv):
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     names = [layout.name for layout in default_layouts(2)]
+    tied_names = [layout.name for layout in tied_layouts(2)]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="flags after -- go to every train.py: -- --dataset_name roneneldan/TinyStories",
     )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--out_dir", default="runs/convergence")
-    parser.add_argument("--layouts", help=f"comma-separated, default all: {','.join(names)}")
+    parser.add_argument(
+        "--layouts",
+        help=f"comma-separated, default all: {','.join(names)} (with --tied: "
+        f"{','.join(tied_names)})",
+    )
     parser.add_argument(
         "--gradient_accumulation_steps", type=int, default=2, help="the baseline's; even"
     )
     parser.add_argument("--model_name", default="tiny")
+    parser.add_argument(
+        "--tied",
+        action="store_true",
+        help="tie the model's embeddings (a config written to out_dir/config_tied) and run the "
+        "tied layouts instead",
+    )
     for name in OVERRIDES:
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--micro_batch_size", type=int)
@@ -413,16 +469,23 @@ def parse_args(argv):
     )
     args = parser.parse_args(argv)
     try:
-        layouts = default_layouts(args.gradient_accumulation_steps)
+        layouts = (tied_layouts if args.tied else default_layouts)(args.gradient_accumulation_steps)
     except ValueError as error:
         parser.error(str(error))
+    names = tied_names if args.tied else names
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - set(names))
         if unknown:
             parser.error(f"unknown layouts {','.join(unknown)}; known: {','.join(names)}")
         layouts = [layout for layout in layouts if layout.name in wanted]
-    common = ["--max_steps", str(args.steps), "--model_name", args.model_name]
+    model_name = args.model_name
+    if args.tied:
+        try:
+            model_name = str(tied_config(model_name, Path(args.out_dir) / "config_tied"))
+        except OSError as error:
+            parser.error(f"--model_name {args.model_name}: no config found ({error})")
+    common = ["--max_steps", str(args.steps), "--model_name", model_name]
     for name in [*OVERRIDES, "micro_batch_size", "seq_len"]:
         if getattr(args, name) is not None:
             common += [f"--{name}", str(getattr(args, name))]
