@@ -60,7 +60,10 @@ def run_main(main):
         if int(os.environ.get("RANK", 0)) != 0:
             time.sleep(REPORT_DELAY)
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.stdout.flush()
+        # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
+        # busy machine, and torchrun stops the other ranks only when this one has exited.
+        os._exit(2)
 
 
 def log(*args, all_ranks=False):

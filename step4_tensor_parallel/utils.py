@@ -1,5 +1,5 @@
-"""Small helpers shared by the training scripts: user errors, devices, logging, seeds and
-throughput."""
+"""Small helpers shared by the training scripts: user errors, output paths, stopping on SIGTERM,
+devices, logging, seeds and throughput."""
 
 import argparse
 import os
@@ -60,7 +60,44 @@ def run_main(main):
         if int(os.environ.get("RANK", 0)) != 0:
             time.sleep(REPORT_DELAY)
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.stdout.flush()
+        # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
+        # busy machine, and torchrun stops the other ranks only when this one has exited.
+        os._exit(2)
+
+
+def check_output_path(flag, path, folder):
+    """Refuse, before training rather than at the first save, an output path that cannot be
+    written: `folder` says whether it must be a folder (--save_dir) or a file (--log_file)."""
+    path, kind = Path(path), "folder" if folder else "file"
+    if path.exists() and path.is_dir() != folder:
+        other = "file" if folder else "folder"
+        raise ValueError(f"{flag} {path} is an existing {other}; give a {kind} path")
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if existing != path and not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, so it cannot hold a {kind}")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")
+
+
+class StopSignal:
+    """SIGTERM, which Slurm and Kubernetes send some seconds before they kill a job, asks the run
+    to stop: the step in progress finishes, a checkpoint is saved, and the ranks exit with status 0;
+    --resume continues the run exactly. The ranks may get the signal at different steps, or only
+    some of them get it, so after every step they agree (a MAX over the world) and all stop after
+    the same step."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self.receive)
+
+    def receive(self, signum, frame):
+        self.received = True
+
+    def requested(self, device):
+        flag = torch.tensor(float(self.received), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
 
 
 def log(*args, all_ranks=False):

@@ -30,6 +30,8 @@ from tensor_parallel import (
 )
 from utils import (
     ArgumentParser,
+    StopSignal,
+    check_output_path,
     flops_per_token,
     log,
     peak_flops,
@@ -118,8 +120,15 @@ def parse_args(argv=None):
     for name in ["weight_decay", "warmup_steps"]:
         if not getattr(args, name) >= 0:
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    for name in ["eval_every", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
+    if args.save_dir:
+        check_output_path("--save_dir", args.save_dir, folder=True)
+    if args.log_file:
+        check_output_path("--log_file", args.log_file, folder=False)
     if args.max_tokens is not None:
         tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
         tokens_per_step *= args.dp_size
@@ -379,6 +388,7 @@ def main(argv=None):
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
+    stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -404,12 +414,19 @@ def main(argv=None):
                 f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
             )
         metrics.write(record)
-        if args.save_dir and (step % args.save_every == 0 or last):
+        stopped = stop_signal.requested(device)
+        if args.save_dir and (step % args.save_every == 0 or last or stopped):
             path = save_checkpoint(
                 args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
             )
             log(f"saved {path}")
+        if stopped:
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
+            break
     metrics.close()
+    if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
+        dist.destroy_process_group()
+        return
     text = sample(model, tokenizer, args.sample_prompt, args.sample_tokens, device, args.seed, pgm)
     log(f"sample: {text!r}")
     dist.destroy_process_group()

@@ -43,6 +43,8 @@ from tensor_parallel import (
 )
 from utils import (
     ArgumentParser,
+    StopSignal,
+    check_output_path,
     flops_per_token,
     log,
     peak_flops,
@@ -136,8 +138,28 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.init_from_hf and any(getattr(args, name) is not None for name in OVERRIDES):
         parser.error("--init_from_hf takes the model's shape from its config.json: no overrides")
+    if args.init_from_hf:
+        folder = Path(args.init_from_hf)
+        if not folder.is_dir():
+            parser.error(f"--init_from_hf {folder}: no such folder")
+        if not (folder / "config.json").is_file():
+            parser.error(f"--init_from_hf {folder}: no config.json (save_pretrained writes one)")
+        if not list(folder.glob("*.safetensors")):
+            parser.error(
+                f"--init_from_hf {folder}: no *.safetensors weights (save_pretrained with "
+                f"safe_serialization=True writes them)"
+            )
+    for name in ["eval_every", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not args.bucket_size_mb > 0:
+        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
+    if args.save_dir:
+        check_output_path("--save_dir", args.save_dir, folder=True)
+    if args.log_file:
+        check_output_path("--log_file", args.log_file, folder=False)
     if args.max_tokens is not None:
         tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
         tokens_per_step *= args.dp_size
@@ -465,6 +487,7 @@ def main(argv=None):
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
+    stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -492,12 +515,19 @@ def main(argv=None):
                 f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
             )
         metrics.write(record)
-        if args.save_dir and (step % args.save_every == 0 or last):
+        stopped = stop_signal.requested(device)
+        if args.save_dir and (step % args.save_every == 0 or last or stopped):
             path = save_checkpoint(
                 args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
             )
             log(f"saved {path}")
+        if stopped:
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
+            break
     metrics.close()
+    if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
+        dist.destroy_process_group()
+        return
     text = sample(
         stage,
         tokenizer,
