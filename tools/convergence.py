@@ -12,7 +12,7 @@ shows from the first step.
     python tools/convergence.py --steps 200 --out_dir runs/convergence
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
 
-`inject(bug)` writes a launcher that runs a step's train.py with one known bug patched in from
+`inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one known bug patched in from
 outside, the step's files untouched, to show that the comparison catches it.
 """
 
@@ -351,6 +351,11 @@ def parse_args(argv):
     parser.add_argument("--out_dir", default="runs/convergence")
     parser.add_argument("--layouts", help=f"comma-separated, default all: {','.join(names)}")
     parser.add_argument(
+        "--bug",
+        choices=sorted(BUGS),
+        help="run only the layout this bug breaks, with the bug patched in: it must differ",
+    )
+    parser.add_argument(
         "--gradient_accumulation_steps", type=int, default=2, help="the baseline's; even"
     )
     parser.add_argument("--model_name", default="tiny")
@@ -380,6 +385,12 @@ def parse_args(argv):
         if unknown:
             parser.error(f"unknown layouts {','.join(unknown)}; known: {','.join(names)}")
         layouts = [layout for layout in layouts if layout.name in wanted]
+    if args.bug:
+        if args.layouts:
+            parser.error(
+                f"--bug {args.bug} runs the layout it breaks, {BUGS[args.bug][0]}: no --layouts"
+            )
+        layouts = [layout for layout in layouts if layout.name == BUGS[args.bug][0]]
     common = ["--max_steps", str(args.steps), "--model_name", args.model_name]
     for name in [*OVERRIDES, "micro_batch_size", "seq_len"]:
         if getattr(args, name) is not None:
@@ -390,12 +401,16 @@ def parse_args(argv):
 def main(argv=None):
     args, layouts, common = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = inject(args.bug, out_dir) if args.bug else None  # the baseline runs without it
     runs, results, failures = {}, {}, {}
     for layout in [baseline_layout(args.gradient_accumulation_steps), *layouts]:
         start = time.perf_counter()
-        print(f"{layout.name}: {layout.step} on {layout.nproc} ...", end=" ", flush=True)
+        bug = launcher if layout.name != "baseline" else None
+        note = f" with the bug {args.bug}" if bug else ""
+        print(f"{layout.name}: {layout.step} on {layout.nproc}{note} ...", end=" ", flush=True)
         try:
-            runs[layout.name] = run(layout, common, out_dir, timeout=args.timeout)
+            runs[layout.name] = run(layout, common, out_dir, launcher=bug, timeout=args.timeout)
         except RuntimeError as error:
             if layout.name == "baseline":
                 sys.exit(f"convergence.py: the baseline failed: {error}")
