@@ -12,8 +12,9 @@ shows from the first step.
     python tools/convergence.py --steps 200 --out_dir runs/convergence
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
 
-`inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one known bug patched in from
-outside, the step's files untouched, to show that the comparison catches it.
+`inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
+known bug patched in from outside, the step's files untouched, to show that the comparison
+catches it.
 """
 
 import argparse
