@@ -51,11 +51,13 @@ class Command:
     @property
     def launcher(self):
         """torchrun's own flags as a dict (--nproc_per_node 4 -> {'nproc_per_node': '4'})."""
+        if self.tokens[0] != "torchrun":
+            return {}
         tokens = self.tokens[1 : self.tokens.index(self.script)]
-        flags = {}
-        for key, value in zip(tokens[::2], tokens[1::2], strict=True):
-            flags[key.lstrip("-").split("=")[0]] = value
-        return flags if self.tokens[0] == "torchrun" else {}
+        tokens = [part for token in tokens for part in token.split("=", 1)]  # --a=b or --a b
+        return {
+            key.lstrip("-"): value for key, value in zip(tokens[::2], tokens[1::2], strict=True)
+        }
 
     @property
     def script(self):
@@ -130,7 +132,11 @@ COMMANDS = [command for readme in READMES for command in extract(readme)]
 
 
 def by_step(command):
-    return command.step if command.trains else "tools"
+    """The step a command belongs to: the one it trains, or the README's (tools otherwise)."""
+    if command.trains:
+        return command.step
+    folder = command.readme.split("/")[0]
+    return folder if folder.startswith("step") else "tools"
 
 
 PARAMS = [
@@ -178,7 +184,7 @@ def overrides(command, args):
     """Two steps, the test-size model; the flags the command gives itself are kept."""
     given = {token for token in command.args if token.startswith("--")}
     extra = {"--max_steps": "2", **model_size(args)}
-    if int(command.step[4]) >= 3:  # the data flags come with step 3
+    if int(re.match(r"step(\d+)", command.step)[1]) >= 3:  # the data flags come with step 3
         extra.update({"--eval_steps": "1", "--sample_tokens": "4", "--num_proc": "1"})
     return [s for k, v in extra.items() if k == "--max_steps" or k not in given for s in (k, v)]
 
@@ -229,7 +235,7 @@ def run(command, workdirs):
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     workdirs["done"][key] = result
     return result
@@ -240,10 +246,10 @@ def test_command(command, workdirs):
     parse(command)
     if not command.runs:
         return
-    # The checkpoints a command may read are those that earlier commands of its README wrote.
+    # What a command reads (a checkpoint, an export) was written by earlier commands of its README.
     for earlier in COMMANDS:
         if earlier.readme == command.readme and earlier.line < command.line and earlier.runs:
-            if "--save_dir" in earlier.args:
+            if earlier.writes:
                 run(earlier, workdirs)
     result = run(command, workdirs)
     output = result.stdout + result.stderr
