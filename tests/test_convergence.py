@@ -166,3 +166,30 @@ def test_compare_flags_a_nan_and_a_missing_step():
     assert not convergence.compare(nan, base).ok
     assert not convergence.compare(base[:1], base).ok
     assert convergence.compare([dict(r) for r in base], base).ok
+
+
+def test_cli_bug_runs_the_broken_layout_with_the_bug(tmp_path, monkeypatch, capsys):
+    """`--bug NAME` runs the baseline as it is and the bug's layout through its launcher, and
+    exits 1 when the comparison flags it. `run` is replaced by a stand-in that doubles the loss
+    of a run started through a launcher, so no process starts."""
+    calls = []
+
+    def fake_run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
+        calls.append((layout.name, launcher))
+        factor = 2.0 if launcher else 1.0
+        return [
+            {"step": s, "loss": factor * 5.0, "grad_norm": 1.0, "tokens": 64 * s} for s in (1, 2)
+        ]
+
+    monkeypatch.setattr(convergence, "run", fake_run)
+    argv = ["--bug", "pp_loss_not_divided", "--steps", "2", "--out_dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        convergence.main(argv)
+    assert exit_.value.code == 1
+    assert [name for name, _ in calls] == ["baseline", "pp2_1f1b"]
+    assert calls[0][1] is None and "pp_loss_not_divided" in calls[1][1].read_text()
+    assert "on 2 with the bug pp_loss_not_divided" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one layout per bug: --layouts is refused beside it
+        convergence.parse_args(["--bug", "tp_weights_differ", "--layouts", "tp2"])
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--bug", "typo"])

@@ -15,8 +15,9 @@ shows from the first step.
                                                                # another layout (step 9)
     python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
 
-`inject(bug)` writes a launcher that runs a step's train.py with one known bug patched in from
-outside, the step's files untouched, to show that the comparison catches it.
+`inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
+known bug patched in from outside, the step's files untouched, to show that the comparison
+catches it.
 """
 
 import argparse
@@ -437,6 +438,11 @@ def parse_args(argv):
         f"{','.join(tied_names)})",
     )
     parser.add_argument(
+        "--bug",
+        choices=sorted(BUGS),
+        help="run only the layout this bug breaks, with the bug patched in: it must differ",
+    )
+    parser.add_argument(
         "--gradient_accumulation_steps", type=int, default=2, help="the baseline's; even"
     )
     parser.add_argument("--model_name", default="tiny")
@@ -479,6 +485,14 @@ def parse_args(argv):
         if unknown:
             parser.error(f"unknown layouts {','.join(unknown)}; known: {','.join(names)}")
         layouts = [layout for layout in layouts if layout.name in wanted]
+    if args.bug:
+        if args.layouts:
+            parser.error(
+                f"--bug {args.bug} runs the layout it breaks, {BUGS[args.bug][0]}: no --layouts"
+            )
+        layouts = [layout for layout in layouts if layout.name == BUGS[args.bug][0]]
+        if not layouts:
+            parser.error(f"--bug {args.bug} breaks {BUGS[args.bug][0]}, a tied layout: add --tied")
     model_name = args.model_name
     if args.tied:
         try:
@@ -495,12 +509,16 @@ def parse_args(argv):
 def main(argv=None):
     args, layouts, common = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = inject(args.bug, out_dir) if args.bug else None  # the baseline runs without it
     runs, results, failures = {}, {}, {}
     for layout in [baseline_layout(args.gradient_accumulation_steps), *layouts]:
         start = time.perf_counter()
-        print(f"{layout.name}: {layout.step} on {layout.nproc} ...", end=" ", flush=True)
+        bug = launcher if layout.name != "baseline" else None
+        note = f" with the bug {args.bug}" if bug else ""
+        print(f"{layout.name}: {layout.step} on {layout.nproc}{note} ...", end=" ", flush=True)
         try:
-            runs[layout.name] = run(layout, common, out_dir, timeout=args.timeout)
+            runs[layout.name] = run(layout, common, out_dir, launcher=bug, timeout=args.timeout)
         except RuntimeError as error:
             if layout.name == "baseline":
                 sys.exit(f"convergence.py: the baseline failed: {error}")
