@@ -68,7 +68,7 @@ def test_launcher_without_bug_changes_nothing(tmp_path, baseline):
 def test_injected_bug_is_caught(tmp_path, request, bug):
     name = convergence.BUGS[bug][0]
     if name in TIED:
-        layout, (common, baseline) = TIED[name], request.getfixturevalue("tied_baseline")
+        layout, (common, baseline, _) = TIED[name], request.getfixturevalue("tied_baseline")
     else:
         layout, common, baseline = LAYOUTS[name], COMMON, request.getfixturevalue("baseline")
     records = train(layout, tmp_path, convergence.inject(bug, tmp_path), common)
@@ -80,18 +80,19 @@ def test_injected_bug_is_caught(tmp_path, request, bug):
 
 @pytest.fixture(scope="module")
 def tied_baseline(tmp_path_factory):
-    """The tiny config with tied embeddings, and step 3 trained with it on one process."""
+    """The tiny config with tied embeddings, step 3 trained with it on one process, and the
+    folder of its console output."""
     tmp = tmp_path_factory.mktemp("tied")
     config = convergence.tied_config("tiny", tmp / "config")
     common = [*TIED_COMMON, "--model_name", str(config)]
-    return common, train(convergence.baseline_layout(ACCUMULATION), tmp, common=common)
+    return common, train(convergence.baseline_layout(ACCUMULATION), tmp, common=common), tmp
 
 
 @pytest.fixture(scope="module")
 def tied_runs(tmp_path_factory, tied_baseline):
     """Every tied layout, trained once for the tests below. The runs of steps 7 and 8 save at
     steps 10 and 20, one file per stage and tp rank, read by the two tests after the first."""
-    common, _ = tied_baseline
+    common = tied_baseline[0]
     tmp = tmp_path_factory.mktemp("tied_runs")
     runs = {}
     for name, layout in TIED.items():
@@ -103,13 +104,21 @@ def tied_runs(tmp_path_factory, tied_baseline):
 
 
 def test_tied_layouts_train_like_one_process(tied_baseline, tied_runs):
-    """pp2 (AFAB), pp3 (1F1B), tp2 x pp2 and 2 x 2 x 2: 20 steps within the strict tolerances."""
-    results = {name: convergence.compare(records, tied_baseline[1]) for name, records in
+    """pp2 (AFAB), pp3 (1F1B), tp2 x pp2 and 2 x 2 x 2: 20 steps within the strict tolerances,
+    and the same sample, drawn from the last stage's copy of the tied weight."""
+    _, baseline, baseline_dir = tied_baseline
+    results = {name: convergence.compare(records, baseline) for name, records in
                tied_runs[0].items()}  # fmt: skip
     print(f"\n{convergence.table(results)}")
     for name, comparison in results.items():
         assert comparison.ok, f"{name}: {comparison.problems}"
         assert len(comparison.steps) == 20 and comparison.max_val_loss is not None, name
+
+    def sample(folder, name):
+        return (folder / f"{name}.log").read_text().split("sample:")[1].splitlines()[0]
+
+    for name in TIED:
+        assert sample(tied_runs[1], name) == sample(baseline_dir, "baseline"), name
 
 
 def sizes(layout):
@@ -140,7 +149,7 @@ def test_tied_copies_stay_bit_identical(tied_runs, name):
 
 def test_tied_pp2_resumes_like_one_process(tmp_path, tied_baseline, tied_runs):
     """Step 7 saved at step 10 (each stage its copy) resumes and trains steps 11-20 like step 3."""
-    common, baseline = tied_baseline
+    common, baseline, _ = tied_baseline
     save = tmp_path / "ckpt"
     shutil.copytree(tied_runs[1] / "tied_pp2_afab" / "step_000010", save / "step_000010")
     (save / "latest").write_text("step_000010")
