@@ -274,6 +274,21 @@ def build_optimizer(model, args, device):
 
 
 ### begin Hugging Face import
+def refuse_unused_tensors(config, keys, directory):
+    """A checkpoint tensor that no parameter of the whole model (every stage) takes, such as a
+    bias, would be dropped without a word: the run would train another model than the one saved."""
+    with torch.device("meta"):
+        expected = set(LlamaForCausalLM(config).state_dict())  # a tied lm_head is optional
+    # Older conversions saved RoPE's frequencies, which the model computes from the config.
+    unused = sorted(k for k in set(keys) - expected if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ValueError(
+            f"--init_from_hf {directory}: the model has no parameter for the checkpoint's "
+            f"{', '.join(unused[:5])}{more}; was it saved from the model its config.json describes?"
+        )
+
+
 @torch.no_grad()
 def load_hf_weights(model, directory):
     """Fill this rank's parameters from a transformers checkpoint, reading from the safetensors
@@ -283,6 +298,7 @@ def load_hf_weights(model, directory):
         raise ValueError(f"--init_from_hf {directory}: no *.safetensors files there")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {key: handle for handle in handles for key in handle.keys()}
+    refuse_unused_tensors(model.config, where, directory)
     # Each parameter once (tied embeddings: once), with the rows or columns this rank holds.
     for key, param, dim, start, shape in local_parameters(model):
         if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:

@@ -1,6 +1,8 @@
 """Step 9: a 2 x 2 x 2 run resumes exactly; a transformers checkpoint loads into any layout; a
 checkpoint of any layout exports to transformers with the trainer's own validation loss."""
 
+import math
+import re
 import sys
 
 import pytest
@@ -69,31 +71,79 @@ def test_grid_checkpoint_exports_to_transformers(tmp_path, grid_run):
     assert loss == pytest.approx(records[-1]["val_loss"], rel=1e-5)
 
 
+# The shape of Llama 3.2 in small: tied embeddings, grouped-query attention, and the Llama 3
+# RoPE scaling with an original context of 64 tokens, so that it changes most frequencies.
+LLAMA_3_2 = dict(
+    tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=128,
+    rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    },
+)  # fmt: skip
+
+
+def tiny_hf_config(**fields):
+    shape = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+    return transformers.LlamaConfig(
+        **shape,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **{"max_position_embeddings": 64, **fields},
+    )
+
+
 @pytest.mark.parametrize(
-    "layout, tied",
-    [(["--pp_size", "2", "--tp_size", "2"], True), (["--dp_size", "2", "--tp_size", "2"], False)],
-    ids=["pp2-tp2-tied", "dp2-tp2"],
+    "layout, fields",
+    [
+        (["--pp_size", "2", "--tp_size", "2"], {"tie_word_embeddings": True}),
+        (["--dp_size", "2", "--tp_size", "2"], {}),
+        (["--pp_size", "2", "--tp_size", "2"], LLAMA_3_2),
+    ],
+    ids=["pp2-tp2-tied", "dp2-tp2", "pp2-tp2-llama3.2"],
 )
-def test_init_from_hf_into_a_layout(tmp_path, layout, tied):
+def test_init_from_hf_into_a_layout(tmp_path, layout, fields):
     """A transformers checkpoint loaded slice by slice: the first step's loss (computed before
     the update) is the transformers model's loss on the same batch. Tied, the file has no
     lm_head: the last stage's copy takes the embedding's slices."""
-    config = transformers.LlamaConfig(
-        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )  # fmt: skip
+    config = tiny_hf_config(**fields)
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(config).eval()
+    # Weights far from the initial ones: with those, attention is nearly uniform and the loss
+    # hardly depends on the rotation (a wrong RoPE scaling moves it by 1e-6, not 1e-3).
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(
+                torch.rand_like(param) + 0.5 if param.ndim == 1 else 0.1 * torch.randn_like(param)
+            )
     reference.save_pretrained(tmp_path / "hf")
     log_file = tmp_path / "log.jsonl"
     args = ["--init_from_hf", str(tmp_path / "hf"), "--seq_len", "32", "--micro_batch_size", "2"]
     args += ["--max_steps", "1", "--gradient_accumulation_steps", "2", *layout, *COMMON]
     args += ["--log_file", str(log_file)]
-    check(run_step(STEP, args, nproc=4))
+    check(run_step(STEP, args, nproc=math.prod(map(int, layout[1::2]))))
     dp = 2 if "--dp_size" in layout else 1
     expected = mean_loss(reference, first_micro_batches("train", 2 * dp))
     assert read_log(log_file)[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_init_from_hf_refuses_what_the_model_would_not_compute(tmp_path):
+    """A config that the model does not compute as transformers does is refused before any
+    weight is read; so is a tensor that no parameter takes (biases, under a config without)."""
+    transformers.LlamaForCausalLM(tiny_hf_config(attention_bias=True)).save_pretrained(tmp_path)
+    args = ["--init_from_hf", str(tmp_path), "--seq_len", "32", "--micro_batch_size", "2"]
+    result = run_step(STEP, [*args, *COMMON, "--max_steps", "1"])
+    assert result.returncode != 0 and "attention_bias=True" in result.stderr, result.stderr
+    train = import_step(STEP, "train")
+    for field, value in [("hidden_act", "gelu"), ("mlp_bias", True)]:
+        tiny_hf_config(**{field: value}).save_pretrained(tmp_path / field)
+        args = train.parse_args(["--init_from_hf", str(tmp_path / field), "--seq_len", "32"])
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
+            train.LlamaForCausalLM(train.load_config(args))  # the first thing build_model does
+    config = tiny_hf_config()  # the same checkpoint, its config.json now without biases
+    config.save_pretrained(tmp_path)
+    stray = r"parameter for the checkpoint's model\.layers\.0\.self_attn\.k_proj\.bias, "
+    with pytest.raises(ValueError, match=stray + ".* and 7 more"):
+        train.load_hf_weights(train.LlamaForCausalLM(config), tmp_path)
 
 
 def test_init_from_hf_refuses_overrides(tmp_path):

@@ -1,9 +1,13 @@
 """The step-1 model against transformers' LlamaForCausalLM: same keys, same logits, same loading."""
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
-from conftest import import_step
+from conftest import ROOT, import_step
 
 model_lib = import_step("step1_model", "model")
 
@@ -134,8 +138,155 @@ def test_a_sliced_module_initialises_its_slice():
     assert torch.equal(mlp.up_proj.weight, full.model.layers[1].mlp.up_proj.weight[48:])
 
 
-def test_rejects_unsupported_rope_scaling():
-    config = hf_config(4, 2, False, 10000.0)
-    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
-    with pytest.raises(ValueError, match="llama3"):
-        model_lib.LlamaForCausalLM(config)
+# Tiny versions of every shipped config family, and the RoPE scalings: (config fields, the token
+# ids the batch must contain). Each differs from the defaults where its family does.
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+FAMILIES = {
+    # SmolLM: tied embeddings, grouped-query attention
+    "smollm": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # TinyLlama: grouped-query attention, untied
+    "tinyllama": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+    # Llama 3.2: tied, grouped-query, Llama 3 RoPE scaling with theta 500000. The original context
+    # of 64 puts a head dim of 16's frequencies in all three bands (see the next test).
+    "llama3.2": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters=LLAMA3_ROPE,
+    ),  # fmt: skip
+    "linear_rope": dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ),
+    # A pad token: transformers' embedding gives its row no gradient from its lookups.
+    "pad_token": dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=7),
+}
+
+
+def family_config(family):
+    shape = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    return transformers.LlamaConfig(
+        **shape, max_position_embeddings=128, rms_norm_eps=1e-5, **FAMILIES[family]
+    )
+
+
+def random_weights(model, seed):
+    """Weights far from the initial ones (norms not all one, activations of order one), so that
+    every gradient is large enough for a relative tolerance to mean something."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+
+
+def parity(config, seed=0, length=31):
+    """Our model and transformers' with the same weights on one batch: the logits, and every
+    parameter's gradient of the cross-entropy. Returns the largest differences."""
+    reference = transformers.LlamaForCausalLM(config)  # train mode: dropout would show
+    random_weights(reference, seed)
+    model = model_lib.LlamaForCausalLM(config)
+    model.load_state_dict(reference.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (2, length), generator=generator)
+    targets = torch.randint(0, config.vocab_size, (2, length), generator=generator)
+    if config.pad_token_id is not None:
+        input_ids[:, ::5] = config.pad_token_id
+    expected = reference(input_ids).logits
+    logits = model(input_ids)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    F.cross_entropy(expected.flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    max_grad = 0.0
+    names = {name for name, _ in reference.named_parameters()}
+    assert names == {name for name, _ in model.named_parameters()}  # tied: lm_head left out
+    for name, param in model.named_parameters():
+        want = reference.get_parameter(name).grad
+        torch.testing.assert_close(param.grad, want, rtol=1e-5, atol=1e-5, msg=name)
+        max_grad = max(max_grad, (param.grad - want).abs().max().item())
+    return (logits - expected).abs().max().item(), max_grad
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_gradients_match_transformers(family):
+    config = family_config(family)
+    max_logits, max_grad = parity(config)
+    print(f"{family}: max |dlogits| {max_logits:.1e}, max |dgrad| {max_grad:.1e}")
+
+
+def test_llama3_scaling_changes_some_frequencies_only():
+    """At head dim 16 with theta 500000 and an original context of 64 tokens, the fastest
+    frequency is kept, the next is blended and the slower ones are divided by `factor`: the
+    parity test above covers all three bands of the scaling."""
+    config = family_config("llama3.2")
+    rope = model_lib.rope_parameters(config)
+    scaled = model_lib.rope_frequencies(16, rope, "cpu")
+    plain = model_lib.rope_frequencies(16, {**rope, "rope_type": "default"}, "cpu")
+    ratio = plain / scaled
+    assert ratio[0] == 1.0
+    assert 1.0 < ratio[1] < 32.0
+    torch.testing.assert_close(ratio[2:], torch.full((6,), 32.0))
+    reference = transformers.LlamaForCausalLM(config)
+    torch.testing.assert_close(scaled, reference.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+
+
+def test_transformers_4_style_rope_fields():
+    """transformers 4 keeps rope_theta on the config and the scaling in rope_scaling, whose type
+    was first called `type`: a config object of that shape gives the same model."""
+    config = family_config("linear_rope")
+    old_style = SimpleNamespace(**config.to_dict())
+    del old_style.rope_parameters
+    old_style.rope_theta, old_style.rope_scaling = 10000.0, {"type": "linear", "factor": 4.0}
+    assert model_lib.rope_parameters(old_style)["rope_type"] == "linear"
+    reference = transformers.LlamaForCausalLM(config).eval()
+    model = model_lib.LlamaForCausalLM(old_style)
+    model.load_state_dict(reference.state_dict())
+    input_ids = torch.randint(0, config.vocab_size, (2, 33))
+    torch.testing.assert_close(model(input_ids), reference(input_ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_3_2_1b_config():
+    """The shipped config, as a Llama 3.2 1B checkpoint's config.json states it, builds the
+    published 1.24 B parameters with the Llama 3 RoPE scaling."""
+    config = transformers.AutoConfig.from_pretrained(ROOT / "assets/configs/llama-3.2-1b")
+    rope = model_lib.rope_parameters(config)
+    assert rope == {**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192}
+    with torch.device("meta"):
+        model = model_lib.LlamaForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# Each field that this model would compute differently from transformers, with a value it refuses.
+REFUSED = [
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("hidden_act", "relu"),
+    ("attention_dropout", 0.1),
+    ("is_causal", False),
+    ("pad_token_id", 101),
+    ("rope_type", "dynamic"),
+    ("rope_type", "yarn"),
+    ("rope_type", "longrope"),
+    ("partial_rotary_factor", 0.5),
+    ("high_freq_factor", 1.0),
+]
+
+
+@pytest.mark.parametrize("field, value", REFUSED, ids=lambda v: str(v))
+def test_refuses_what_it_would_compute_differently(field, value):
+    config = family_config("llama3.2")
+    if field in ("rope_type", "partial_rotary_factor", "high_freq_factor"):
+        config.rope_parameters = {**config.rope_parameters, field: value}
+    else:
+        setattr(config, field, value)
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
+        with torch.device("meta"):  # as the steps build it: before any weight exists
+            model_lib.LlamaForCausalLM(config)

@@ -52,9 +52,11 @@ def layers_worker(rank, world, batch_shape):
     close(row.weight.grad, dense.weight.grad.chunk(world, 1)[rank], "row weight grad")
     close(h2.grad, h1.grad.chunk(world, -1)[rank], "row input grad")
 
-    # Vocabulary-parallel embedding.
-    dense = torch.nn.Embedding(V, D)
-    embed = tp.VocabParallelEmbedding(V, D, group)
+    # Vocabulary-parallel embedding, with a pad token (its row gets no gradient) in the last slice.
+    pad = V - 3
+    ids.view(-1)[0] = pad
+    dense = torch.nn.Embedding(V, D, padding_idx=pad)
+    embed = tp.VocabParallelEmbedding(V, D, group, padding_idx=pad)
     embed.weight.data.copy_(embed.init_parameter("weight", lambda s: dense.weight.data))
     y_dense, y_emb = dense(ids), embed(ids)
     close(y_emb, y_dense, "embedding forward")
