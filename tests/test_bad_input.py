@@ -170,10 +170,11 @@ def test_bad_input_is_one_line(step, args, message, files, capsys, monkeypatch):
     assert elapsed < TIME_LIMIT
 
 
-def test_a_bug_keeps_its_traceback():
+def test_a_bug_keeps_its_traceback(monkeypatch):
     """Only our own ValueErrors are user errors: one raised inside a library, or any other
     exception, is a bug, and propagates with its traceback."""
     utils = import_step("step3_dataloader", "utils")
+    monkeypatch.setattr(utils.os, "_exit", exit_here)
     param = torch.zeros(1, requires_grad=True)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         utils.run_main(lambda: torch.optim.AdamW([param], lr=-1.0))
