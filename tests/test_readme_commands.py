@@ -88,6 +88,15 @@ class Command:
         return f"{self.readme}:{self.line}: {self.text}"
 
 
+def words(text, comments=False):
+    """The shell words of a line; a line with an unbalanced quote (prose in a folder listing,
+    "the model's shape") is split at spaces, so that a broken command still shows as one."""
+    try:
+        return shlex.split(text, comments=comments)
+    except ValueError:
+        return text.split()
+
+
 def is_command(tokens, readme):
     if not tokens:
         return False
@@ -114,7 +123,7 @@ def extract(readme):
         if not in_block:
             if line.startswith("|"):  # the step table: inline code in a cell
                 for code in re.findall(r"`([^`]+)`", line):
-                    if is_command(shlex.split(code), readme):
+                    if is_command(words(code), readme):
                         found.append(Command(readme, start, code, False))
             continue
         while line.endswith("\\") and number < len(lines):
@@ -122,7 +131,7 @@ def extract(readme):
             number += 1
         if line.startswith("#"):
             marked = marked or bool(MARKER.search(line))
-        elif is_command(shlex.split(line, comments=True), readme):
+        elif is_command(words(line, comments=True), readme):
             found.append(Command(readme, start, line, marked or bool(MARKER.search(line))))
             marked = False
     return found
