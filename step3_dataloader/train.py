@@ -25,7 +25,15 @@ from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_splits, load_tokenizer, tokenize
 from model import LlamaForCausalLM
 from process_group_manager import ProcessGroupManager, check_sizes
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    set_seed,
+    throughput,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -339,10 +347,10 @@ def main(argv=None):
             record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, dtype)
             log(f"step {step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
         if step % args.log_every == 0 or last:
-            mfu = f"{100 * flops * tokens_per_second / peak:.1f}%" if peak else "n/a"
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"
-                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
+                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s"
+                f" | {throughput(flops * tokens_per_second, peak)}"
             )
         metrics.write(record)
         if args.save_dir and (step % args.save_every == 0 or last):

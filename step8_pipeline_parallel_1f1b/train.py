@@ -36,7 +36,15 @@ from tensor_parallel import (
     check_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    set_seed,
+    throughput,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -403,14 +411,11 @@ def main(argv=None):
             log(f"step {step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
         if step % args.log_every == 0 or last:
             # Per device: all world_size devices share the work of the step's tokens.
-            mfu = (
-                f"{100 * flops * tokens_per_second / (peak * pgm.world_size):.1f}%"
-                if peak
-                else "n/a"
-            )
+            achieved = flops * tokens_per_second / pgm.world_size
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"
-                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
+                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s"
+                f" | {throughput(achieved, peak)}"
             )
         metrics.write(record)
         if args.save_dir and (step % args.save_every == 0 or last):
