@@ -61,9 +61,9 @@ def parse_args(argv=None):
         model.add_argument(f"--{name}", type=int, help="override the config's value")
     train = parser.add_argument_group("training")
     train.add_argument("--seq_len", type=int, default=256)
-    train.add_argument("--micro_batch_size", type=int, default=16)
+    train.add_argument("--micro_batch_size", type=int, default=4)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--max_steps", type=int, default=150)
+    train.add_argument("--max_steps", type=int, default=300)
     train.add_argument("--learning_rate", type=float, default=3e-3)
     train.add_argument("--warmup_steps", type=int, default=10)
     train.add_argument("--weight_decay", type=float, default=0.1)
@@ -85,8 +85,8 @@ def parse_args(argv=None):
     data.add_argument("--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME or hub")
     data.add_argument("--max_tokens", type=int, help="stop after this many training tokens")
     data.add_argument("--num_proc", type=int, default=2, help="processes for tokenising")
-    data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
-    data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")
+    data.add_argument("--eval_every", type=int, default=100, help="validation every N steps")
+    data.add_argument("--eval_steps", type=int, default=16, help="validation micro-batches")
     data.add_argument("--sample_prompt", default="Once upon a time")
     data.add_argument("--sample_tokens", type=int, default=60)
     run = parser.add_argument_group("checkpoints and logging")
@@ -96,6 +96,7 @@ def parse_args(argv=None):
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
+    run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
     args = parser.parse_args(argv)
     for name in [
         "seq_len",
@@ -109,6 +110,8 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.profile and args.max_steps < 3:
+        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     if args.max_tokens is not None:
@@ -319,6 +322,27 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def start_profiler(folder, device):
+    """With --profile DIR: torch.profiler skips step 1 (first-call overheads), warms up on step 2,
+    records steps 3 to 5 and writes one Chrome trace per rank into DIR (chrome://tracing,
+    ui.perfetto.dev or TensorBoard open it). None without the flag."""
+    if not folder:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            folder, worker_name=f"rank{dist.get_rank()}"
+        ),
+        record_shapes=True,
+    )
+    profiler.start()
+    return profiler
+
+
 def resume(args, model, optimizer, scheduler, train_loader, device, pgm):
     """With --resume, load save_dir's latest checkpoint; returns the step to continue after."""
     path = latest_checkpoint(args.save_dir) if args.save_dir else None
@@ -359,6 +383,7 @@ def main(argv=None):
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
+    profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -366,6 +391,8 @@ def main(argv=None):
             step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
+        if profiler:
+            profiler.step()
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record.update(tokens=step * tokens_per_step, tokens_per_second=tokens_per_second)
         last = step == args.max_steps
@@ -387,6 +414,9 @@ def main(argv=None):
             )
             log(f"saved {path}")
     metrics.close()
+    if profiler:
+        profiler.stop()  # a run shorter than the schedule writes what it recorded
+        log(f"profile: one trace per rank in {args.profile}")
     text = sample(model, tokenizer, args.sample_prompt, args.sample_tokens, device, args.seed, pgm)
     log(f"sample: {text!r}")
     dist.destroy_process_group()

@@ -74,9 +74,9 @@ def parse_args(argv=None):
         model.add_argument(f"--{name}", type=int, help="override the config's value")
     train = parser.add_argument_group("training")
     train.add_argument("--seq_len", type=int, default=256)
-    train.add_argument("--micro_batch_size", type=int, default=16)
+    train.add_argument("--micro_batch_size", type=int, default=4)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--max_steps", type=int, default=150)
+    train.add_argument("--max_steps", type=int, default=300)
     train.add_argument("--learning_rate", type=float, default=3e-3)
     train.add_argument("--warmup_steps", type=int, default=10)
     train.add_argument("--weight_decay", type=float, default=0.1)
@@ -94,14 +94,21 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
     parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket size")
-    parallel.add_argument("--pp_timeline", action="store_true", help="print each stage's schedule")
+    parallel.add_argument(
+        "--pp_timeline",
+        nargs="?",
+        const="",
+        metavar="TRACE_JSON",
+        help="print each stage's schedule; write the step's timeline as a Chrome trace to "
+        "TRACE_JSON (the flag alone: to save_dir/pp_timeline.json when --save_dir is given)",
+    )
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default="tinytales", help="assets/datasets/NAME or hub id")
     data.add_argument("--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME or hub")
     data.add_argument("--max_tokens", type=int, help="stop after this many training tokens")
     data.add_argument("--num_proc", type=int, default=2, help="processes for tokenising")
-    data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
-    data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")
+    data.add_argument("--eval_every", type=int, default=100, help="validation every N steps")
+    data.add_argument("--eval_steps", type=int, default=16, help="validation micro-batches")
     data.add_argument("--sample_prompt", default="Once upon a time")
     data.add_argument("--sample_tokens", type=int, default=60)
     run = parser.add_argument_group("checkpoints and logging")
@@ -111,6 +118,7 @@ def parse_args(argv=None):
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
+    run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
     run.add_argument("--init_from_hf", help="start from a transformers Llama folder (safetensors)")
     args = parser.parse_args(argv)
     for name in [
@@ -127,6 +135,10 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.init_from_hf and any(getattr(args, name) is not None for name in OVERRIDES):
         parser.error("--init_from_hf takes the model's shape from its config.json: no overrides")
+    if args.pp_timeline == "" and args.save_dir:
+        args.pp_timeline = str(Path(args.save_dir) / "pp_timeline.json")
+    if args.profile and args.max_steps < 3:
+        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     if args.max_tokens is not None:
@@ -301,8 +313,8 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     pipeline_step = train_step_1f1b if args.pp_engine == "1f1b" else train_step_afab
     schedule = Schedule()
     total = pipeline_step(model, micro_batches, stage_loss, shape, pgm, device, dtype, schedule)
-    if args.pp_timeline:
-        report_schedule(schedule, len(micro_batches), args.pp_engine, pgm)
+    if args.pp_timeline is not None:
+        report_schedule(schedule, len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
     model.finish_gradient_synchronization()
     grad_norm = clip_grad_norm(model, args.grad_clip, pgm)
     optimizer.step()
@@ -314,10 +326,12 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     return total.item() / pgm.dp_size, grad_norm.item()
 
 
-def report_schedule(schedule, m, engine, pgm):
+def report_schedule(schedule, m, engine, pgm, trace_path=""):
     """Each stage's timeline, its peak of held micro-batches and its idle fraction, beside the
-    textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both idle (p - 1) / (m + p - 1)."""
-    p, r = pgm.pp_size, pgm.pp_rank
+    textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both idle (p - 1) / (m + p - 1).
+    With a trace path, rank 0 also writes its pipeline's step as a Chrome trace, one track per
+    stage (chrome://tracing and ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
+    end, p, r = time.time_ns(), pgm.pp_size, pgm.pp_rank
     expected_peak = m if engine == "afab" else min(p - r, m)
     log(
         f"pp stage {r} {engine}: {' '.join(schedule.timeline)} | held at most "
@@ -325,6 +339,30 @@ def report_schedule(schedule, m, engine, pgm):
         f"{schedule.bubble():.2f} (textbook {(p - 1) / (m + p - 1):.2f})",
         all_ranks=True,
     )
+    if trace_path:
+        stages = [None] * p
+        dist.all_gather_object(stages, schedule.trace_events(r, end), group=pgm.pp_group)
+        if dist.get_rank() == 0:
+            write_trace(trace_path, stages, {"engine": engine, "pp_size": p, "micro_batches": m})
+            log(f"pp timeline of this step: {trace_path}")
+
+
+def write_trace(path, stages, info):
+    """The stages' events as one Chrome trace: a named track per stage, in order, from time 0."""
+    events = [event for stage in stages for event in stage]
+    origin = min(event["ts"] for event in events)
+    for event in events:
+        event["ts"] -= origin
+    for s in range(len(stages)):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
+        )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as file:
+        json.dump({"traceEvents": events, "otherData": info}, file)
 
 
 @torch.no_grad()
@@ -400,6 +438,27 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def start_profiler(folder, device):
+    """With --profile DIR: torch.profiler skips step 1 (first-call overheads), warms up on step 2,
+    records steps 3 to 5 and writes one Chrome trace per rank into DIR (chrome://tracing,
+    ui.perfetto.dev or TensorBoard open it). None without the flag."""
+    if not folder:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            folder, worker_name=f"rank{dist.get_rank()}"
+        ),
+        record_shapes=True,
+    )
+    profiler.start()
+    return profiler
+
+
 def resume(args, model, optimizer, scheduler, train_loader, device, pgm):
     """With --resume, load save_dir's latest checkpoint; returns the step to continue after."""
     path = latest_checkpoint(args.save_dir) if args.save_dir else None
@@ -445,6 +504,7 @@ def main(argv=None):
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
+    profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -452,6 +512,8 @@ def main(argv=None):
             step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
+        if profiler:
+            profiler.step()
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record.update(tokens=step * tokens_per_step, tokens_per_second=tokens_per_second)
         last = step == args.max_steps
@@ -475,6 +537,9 @@ def main(argv=None):
             )
             log(f"saved {path}")
     metrics.close()
+    if profiler:
+        profiler.stop()  # a run shorter than the schedule writes what it recorded
+        log(f"profile: one trace per rank in {args.profile}")
     text = sample(
         stage,
         tokenizer,
