@@ -23,7 +23,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        "test": ["pytest>=8", "ruff>=0.6", "matplotlib"],  # matplotlib: the plot tools' tests
         "plot": ["matplotlib"],
     },
 )

@@ -29,6 +29,7 @@ from utils import (
     resolve_dtype,
     run_main,
     set_seed,
+    throughput,
 )
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -239,10 +240,10 @@ def main(argv=None):
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
         if step % args.log_every == 0 or step == args.max_steps:
-            mfu = f"{100 * flops * tokens_per_second / peak:.1f}%" if peak else "n/a"
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"
-                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
+                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s"
+                f" | {throughput(flops * tokens_per_second, peak)}"
             )
     dist.destroy_process_group()
 

@@ -133,6 +133,14 @@ def flops_per_token(config, seq_len):
     return 6 * n + 12 * L * H * d * seq_len
 
 
+def throughput(flops_per_second, peak):
+    """One device's achieved FLOP/s, and its MFU (the fraction of its peak) when the peak is known:
+    from the table above on a known GPU, or from --peak_tflops."""
+    unit, scale = ("TFLOP/s", 1e12) if flops_per_second >= 1e12 else ("GFLOP/s", 1e9)
+    text = f"{flops_per_second / scale:,.1f} {unit}"
+    return f"{text} | mfu {100 * flops_per_second / peak:.1f}%" if peak else text
+
+
 def peak_flops(device, peak_tflops=None):
     """The device's peak FLOP/s for MFU: from the flag, or known from the device's name, or None."""
     if peak_tflops:

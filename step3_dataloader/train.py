@@ -36,6 +36,7 @@ from utils import (
     resolve_dtype,
     run_main,
     set_seed,
+    throughput,
 )
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -95,6 +96,7 @@ def parse_args(argv=None):
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
+    run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
     args = parser.parse_args(argv)
     for name in [
         "seq_len",
@@ -120,6 +122,8 @@ def parse_args(argv=None):
     for name in ["eval_every", "sample_tokens"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if args.profile and args.max_steps < 3:
+        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     if args.save_dir:
@@ -328,6 +332,27 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def start_profiler(folder, device):
+    """With --profile DIR: torch.profiler skips step 1 (first-call overheads), warms up on step 2,
+    records steps 3 to 5 and writes one Chrome trace per rank into DIR (chrome://tracing,
+    ui.perfetto.dev or TensorBoard open it). None without the flag."""
+    if not folder:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            folder, worker_name=f"rank{dist.get_rank()}"
+        ),
+        record_shapes=True,
+    )
+    profiler.start()
+    return profiler
+
+
 def resume(args, model, optimizer, scheduler, train_loader, device):
     """With --resume, load save_dir's latest checkpoint; returns the step to continue after."""
     path = latest_checkpoint(args.save_dir) if args.save_dir else None
@@ -364,6 +389,7 @@ def main(argv=None):
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
+    profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -371,6 +397,8 @@ def main(argv=None):
             step_fn, micro_batches, optimizer, scheduler, args, device, dtype
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
+        if profiler:
+            profiler.step()
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record.update(tokens=step * tokens_per_step, tokens_per_second=tokens_per_second)
         last = step == args.max_steps
@@ -378,10 +406,10 @@ def main(argv=None):
             record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, dtype)
             log(f"step {step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
         if step % args.log_every == 0 or last:
-            mfu = f"{100 * flops * tokens_per_second / peak:.1f}%" if peak else "n/a"
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"
-                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
+                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s"
+                f" | {throughput(flops * tokens_per_second, peak)}"
             )
         metrics.write(record)
         stopped = stop_signal.requested(device)
@@ -392,6 +420,9 @@ def main(argv=None):
             log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
             break
     metrics.close()
+    if profiler:
+        profiler.stop()  # a run shorter than the schedule writes what it recorded
+        log(f"profile: one trace per rank in {args.profile}")
     if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
         dist.destroy_process_group()
         return

@@ -1,6 +1,9 @@
 """Steps 7 and 8: pipeline gradients against one process for AFAB and 1F1B, no deadlock across a
 matrix of stages and micro-batches, the in-flight peaks, and training like step 3."""
 
+import json
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,12 +165,16 @@ def test_1f1b_pp2_tp2_resumes_like_one_process(tmp_path, baseline):
     assert_same_training(resumed, baseline[0][10:])
 
 
-def test_timeline_flag_prints_each_stage(tmp_path):
-    args = [*TINY, "--max_steps", "1", "--pp_size", "2", "--pp_engine", "1f1b", "--pp_timeline"]
+def test_timeline_flag_prints_each_stage_and_writes_a_trace(tmp_path):
+    trace = tmp_path / "timeline" / "pp.json"
+    args = [*TINY, "--max_steps", "1", "--pp_size", "2", "--pp_engine", "1f1b"]
+    args += ["--pp_timeline", str(trace)]
     args += ["--gradient_accumulation_steps", "3", "--num_proc", "1", "--sample_tokens", "2"]
     result = check(run_step(ONE_F_ONE_B, args, nproc=2))
     assert "pp stage 0 1f1b: F1 F2 B1 F3 B2 B3 | held at most 2" in result.stdout
     assert "pp stage 1 1f1b: F1 B1 F2 B2 F3 B3 | held at most 1" in result.stdout
+    printed = [["F1", "F2", "B1", "F3", "B2", "B3"], ["F1", "B1", "F2", "B2", "F3", "B3"]]
+    check_pipeline_trace(json.loads(trace.read_text()), printed, engine="1f1b")
 
 
 def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
@@ -221,3 +228,29 @@ def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
             assert len(ours) == 2 * m, (p, m, rank, ours)
             mirrored = ["recv" if kind == "send" else "send" for kind in theirs]
             assert ours == mirrored, (p, m, rank, ours, theirs)
+
+
+def check_pipeline_trace(trace, timelines, engine):
+    """A Chrome trace with one named track per stage; on each, a forward and a backward span per
+    micro-batch in the printed order, and the gaps between them as waits: spans that follow each
+    other without overlap, from a clock shared by the stages (stage 1's first forward starts
+    after stage 0's has ended: it needs its output)."""
+    stages, m = len(timelines), len(timelines[0]) // 2
+    assert trace["otherData"] == {"engine": engine, "pp_size": stages, "micro_batches": m}
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {s: f"stage {s}" for s in range(stages)}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == set(range(stages)) and min(e["ts"] for e in spans) == 0
+    first_forward = []
+    for s in range(stages):
+        row = sorted((e for e in spans if e["tid"] == s), key=lambda e: e["ts"])
+        for before, after in pairwise(row):
+            assert before["ts"] + before["dur"] <= after["ts"], (before, after)
+        compute = [e for e in row if e["cat"] != "wait"]
+        assert [e["name"] for e in compute] == timelines[s]
+        assert {e["cat"] for e in compute} == {"forward", "backward"}
+        assert all(e["name"] == "send/recv/wait" for e in row if e["cat"] == "wait")
+        first_forward.append(next(e for e in compute if e["name"] == "F1"))
+    for earlier, later in pairwise(first_forward):
+        assert earlier["ts"] + earlier["dur"] <= later["ts"]
