@@ -54,7 +54,7 @@ def run_main(main):
     try:
         main()
     except ValueError as error:
-        if Path(traceback.extract_tb(error.__traceback__)[-1].filename).parent != HERE:
+        if Path(traceback.extract_tb(error.__traceback__)[-1].filename).resolve().parent != HERE:
             raise
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
         if int(os.environ.get("RANK", 0)) != 0:

@@ -72,9 +72,13 @@ def wait_for_steps(log_file, count, process, timeout=300):
         time.sleep(0.05)
 
 
+def workers(launcher):
+    return open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
+
+
 def worker(launcher, rank):
     """The pid of the launcher's worker process of global rank `rank`."""
-    children = open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
+    children = workers(launcher)
     for pid in children:
         with open(f"/proc/{pid}/environ", "rb") as f:
             if f"RANK={rank}".encode() in f.read().split(b"\0"):
@@ -83,7 +87,13 @@ def worker(launcher, rank):
 
 
 def finish(process, timeout=300):
-    output, _ = process.communicate(timeout=timeout)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang: end the workers, then their launcher
+        for pid in workers(process):
+            os.kill(int(pid), signal.SIGKILL)
+        process.kill()
+        raise
     assert process.returncode == 0, output
     return output
 
