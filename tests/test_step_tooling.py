@@ -278,6 +278,25 @@ def test_carry_forward_new_and_deleted_files_need_a_flag(three_steps: Path):
     assert (three_steps / "step3_c/train.py").exists()
 
 
+def test_steps_past_nine_are_ordered_by_number(tmp_path: Path):
+    """step10 comes after step9 (not after step1, as in alphabetical order): patches and carries
+    go 9 -> 10 -> 11."""
+    files = {f"step{n}_s{n}/train.py": TRAIN for n in (1, 2, 9, 10, 11)}
+    repo = make_repo(tmp_path / "repo", files)
+    assert [step_number(step) for step in step_folders(repo)] == [1, 2, 9, 10, 11]
+    write(repo, {"step9_s9/train.py": TRAIN.replace("line 2\n", "line 2 fixed\n")})
+    result = run_tool("carry_forward.py", repo, "--step", "9")
+    assert result.returncode == 0, result.stderr
+    for n in (10, 11):
+        assert "line 2 fixed" in (repo / f"step{n}_s{n}/train.py").read_text()
+    assert "line 2 fixed" not in (repo / "step2_s2/train.py").read_text()
+    assert run_tool("make_patches.py", repo).returncode == 0
+    patches = sorted(p.name for p in (repo / "patches").iterdir())
+    assert patches == [f"step{n}_s{n}.patch" for n in (10, 11, 2, 9)]  # sorted as names here
+    header = (repo / "patches" / "step10_s10.patch").read_text().splitlines()[0]
+    assert header.startswith("Changes from step9_s9 to step10_s10")
+
+
 # ---- the real repository ----------------------------------------------------------------------
 
 
