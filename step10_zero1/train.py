@@ -467,7 +467,7 @@ def main(argv=None):
             record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
             log(
                 f"optimizer state: {record['optimizer_state_bytes']:,} bytes of AdamW moments "
-                f"on this rank, its 1/{pgm.dp_size} share of its stage's and tp slice's",
+                f"on this rank, 1/{pgm.dp_size} of those of its stage and tp slice",
                 all_ranks=True,
             )
         metrics.write(record)

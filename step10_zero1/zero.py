@@ -58,8 +58,8 @@ class ShardedBucket(Bucket):
         )
 
     def in_shard(self):
-        """(param, lo, hi) for each parameter with elements in this rank's shard: buffer elements
-        lo to hi, which are elements lo - offset to hi - offset of the flattened parameter."""
+        """(param, first, lo, hi) for each parameter with elements in this rank's shard: buffer
+        elements lo to hi, which are the flattened parameter's elements from `first` on."""
         for param, offset in self.offsets:
             lo, hi = max(offset, self.start), min(offset + param.numel(), self.end)
             if lo < hi:
@@ -69,9 +69,7 @@ class ShardedBucket(Bucket):
         """The gradients have been used: this rank's shard of the buffer takes its updated
         parameters, and the all-gather fills the rest of the buffer with the other ranks'."""
         for param, first, lo, hi in self.in_shard():
-            self.grad_shard[lo - self.start : hi - self.start] = param.view(-1)[
-                first : first + hi - lo
-            ]
+            self.grad_data[lo:hi] = param.view(-1)[first : first + hi - lo]
         return dist.all_gather_single(self.grad_data, self.grad_shard, self.dp_group, async_op=True)
 
     def copy_parameters_out(self):
@@ -150,9 +148,8 @@ class DataParallelZero1(DataParallelBucket):
         squares = torch.zeros(2, device=buckets[0].grad_data.device)  # tp-sharded, replicated
         for bucket in buckets:
             for param, _, lo, hi in bucket.in_shard():
-                squares[int(id(param) not in self.tp_sharded)] += (
-                    bucket.grad_data[lo:hi].pow(2).sum()
-                )
+                kind = 0 if id(param) in self.tp_sharded else 1
+                squares[kind] += bucket.grad_data[lo:hi].pow(2).sum()
         dist.all_reduce(squares, group=pgm.dp_group)
         sharded, replicated = squares.unbind()
         dist.all_reduce(sharded, group=pgm.tp_group)

@@ -37,6 +37,7 @@ STEP_CHANGES = {
     },
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
     "step9_3d_parallel": {"train.py", "README.md"},
+    "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
 }
 
 # Tool runs in temporary repositories must not depend on the user's git configuration.

@@ -63,6 +63,7 @@ def sharded_steps(rank, world, max_norms, results):
             wrapped.require_backward_grad_sync = k == m - 1
             (F.mse_loss(wrapped(x[rank, k]), y[rank, k]) / m).backward()
         wrapped.finish_gradient_synchronization()
+        assert wrapped.launched_in_backward >= 1  # a reduce-scatter overlapped backward
         norm = wrapped.clip_grad_norm(max_norm, pgm)
         optimizer.step()
         wrapped.all_gather_parameters()
