@@ -82,7 +82,7 @@ def test_sharded_adamw_equals_adamw_on_one_process(tmp_path):
     """3 ranks, 2 micro-batches each, 4 steps, clipped or not: the parameters of every rank equal
     AdamW's on the whole batch within 1e-6, and the moments are split 3 ways."""
     results = torch.multiprocessing.get_context("spawn").Queue()
-    spawn(STEP, sharded_steps, 3, tmp_path, [100.0, 0.05, 100.0, 0.05], results)
+    spawn(STEP, sharded_steps, 3, tmp_path, [100.0, 0.05, 100.0, 0.05], results, timeout=300)
     sizes = dict(results.get(timeout=10) for _ in range(3))
     numel = sum(p.numel() for p in tiny_model().parameters())
     assert sum(sizes.values()) == 8 * numel  # every moment held once, on one rank
