@@ -8,7 +8,6 @@ gradient accumulation and clipping, autocast, and the throughput and MFU numbers
     torchrun --nproc_per_node 1 step1_model/train.py
 """
 
-import argparse
 import math
 import time
 from pathlib import Path
@@ -18,7 +17,16 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from model import LlamaForCausalLM
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    ArgumentParser,
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    run_main,
+    set_seed,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -31,7 +39,7 @@ OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name",
@@ -66,6 +74,15 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in OVERRIDES:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ["learning_rate", "grad_clip"]:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    for name in ["weight_decay", "warmup_steps"]:
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     return args
 
 
@@ -76,10 +93,15 @@ def load_config(args):
         name = str(ASSETS / "configs" / name)
     try:
         config = AutoConfig.from_pretrained(name)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
+        where = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model"
+        )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: no such local directory, and "
-            f"the Hugging Face hub could not be reached or has no such model. The offline default "
+            f"could not load the model config {args.model_name!r}: {where}. The offline default "
             f"is --model_name tiny; assets/configs holds the others.\n{error}"
         ) from error
     if config.model_type != "llama":
@@ -94,6 +116,12 @@ def load_config(args):
         raise ValueError(f"num_attention_heads={H} does not divide hidden_size={D}")
     if H % K:
         raise ValueError(f"num_key_value_heads={K} does not divide num_attention_heads={H}")
+    d = getattr(config, "head_dim", None) or D // H
+    if d % 2:
+        raise ValueError(
+            f"head_dim={d} (hidden_size / num_attention_heads = {D} / {H}) is odd: the rotary "
+            f"embedding turns pairs of dimensions, so it must be even"
+        )
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={args.seq_len} exceeds "
@@ -192,4 +220,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,7 +8,6 @@ grid that does not fit the world.
     torchrun --nproc_per_node 4 step2_process_group_manager/train.py --tp_size 2 --dp_size 2
 """
 
-import argparse
 import math
 import os
 import time
@@ -21,7 +20,16 @@ from transformers import AutoConfig
 
 from model import LlamaForCausalLM
 from process_group_manager import ProcessGroupManager, check_sizes
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    ArgumentParser,
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    run_main,
+    set_seed,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -34,7 +42,7 @@ OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name",
@@ -74,6 +82,15 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in OVERRIDES:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ["learning_rate", "grad_clip"]:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    for name in ["weight_decay", "warmup_steps"]:
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     return args
 
 
@@ -102,10 +119,15 @@ def load_config(args):
         name = str(ASSETS / "configs" / name)
     try:
         config = AutoConfig.from_pretrained(name)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
+        where = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model"
+        )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: no such local directory, and "
-            f"the Hugging Face hub could not be reached or has no such model. The offline default "
+            f"could not load the model config {args.model_name!r}: {where}. The offline default "
             f"is --model_name tiny; assets/configs holds the others.\n{error}"
         ) from error
     if config.model_type != "llama":
@@ -120,6 +142,12 @@ def load_config(args):
         raise ValueError(f"num_attention_heads={H} does not divide hidden_size={D}")
     if H % K:
         raise ValueError(f"num_key_value_heads={K} does not divide num_attention_heads={H}")
+    d = getattr(config, "head_dim", None) or D // H
+    if d % 2:
+        raise ValueError(
+            f"head_dim={d} (hidden_size / num_attention_heads = {D} / {H}) is odd: the rotary "
+            f"embedding turns pairs of dimensions, so it must be even"
+        )
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={args.seq_len} exceeds "
@@ -220,4 +248,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

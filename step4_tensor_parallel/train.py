@@ -5,7 +5,6 @@ single-device model.
     torchrun --nproc_per_node 2 step4_tensor_parallel/train.py --tp_size 2
 """
 
-import argparse
 import json
 import math
 import os
@@ -27,7 +26,18 @@ from tensor_parallel import (
     clip_grad_norm,
     vocab_parallel_cross_entropy,
 )
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    ArgumentParser,
+    StopSignal,
+    check_output_path,
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    run_main,
+    set_seed,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -40,7 +50,7 @@ OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name",
@@ -99,8 +109,24 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in OVERRIDES:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ["learning_rate", "grad_clip"]:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    for name in ["weight_decay", "warmup_steps"]:
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    for name in ["eval_every", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
+    if args.save_dir:
+        check_output_path("--save_dir", args.save_dir, folder=True)
+    if args.log_file:
+        check_output_path("--log_file", args.log_file, folder=False)
     if args.max_tokens is not None:
         tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
         if args.max_tokens < tokens_per_step:
@@ -136,10 +162,15 @@ def load_config(args):
         name = str(ASSETS / "configs" / name)
     try:
         config = AutoConfig.from_pretrained(name)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
+        where = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model"
+        )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: no such local directory, and "
-            f"the Hugging Face hub could not be reached or has no such model. The offline default "
+            f"could not load the model config {args.model_name!r}: {where}. The offline default "
             f"is --model_name tiny; assets/configs holds the others.\n{error}"
         ) from error
     if config.model_type != "llama":
@@ -154,6 +185,12 @@ def load_config(args):
         raise ValueError(f"num_attention_heads={H} does not divide hidden_size={D}")
     if H % K:
         raise ValueError(f"num_key_value_heads={K} does not divide num_attention_heads={H}")
+    d = getattr(config, "head_dim", None) or D // H
+    if d % 2:
+        raise ValueError(
+            f"head_dim={d} (hidden_size / num_attention_heads = {D} / {H}) is odd: the rotary "
+            f"embedding turns pairs of dimensions, so it must be even"
+        )
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={args.seq_len} exceeds "
@@ -334,6 +371,7 @@ def main(argv=None):
     metrics = MetricsLog(args, append=start_step > 0)
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
+    stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -359,16 +397,23 @@ def main(argv=None):
                 f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
             )
         metrics.write(record)
-        if args.save_dir and (step % args.save_every == 0 or last):
+        stopped = stop_signal.requested(device)
+        if args.save_dir and (step % args.save_every == 0 or last or stopped):
             path = save_checkpoint(
                 args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
             )
             log(f"saved {path}")
+        if stopped:
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
+            break
     metrics.close()
+    if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
+        dist.destroy_process_group()
+        return
     text = sample(model, tokenizer, args.sample_prompt, args.sample_tokens, device, args.seed, pgm)
     log(f"sample: {text!r}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

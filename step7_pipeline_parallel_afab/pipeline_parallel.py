@@ -5,6 +5,10 @@ activations travel forward from stage to stage (point-to-point send/recv, shapes
 advance), and their gradients travel back. The schedule decides the order: AFAB runs every
 micro-batch of the step forward, then every one backward. Each stage builds only its own layers,
 with the same names (and so the same initial weights) as in the single-device model.
+
+A tied embedding (`tie_word_embeddings`, one matrix used at both ends of the model) is held twice:
+by the first stage as the embedding, by the last as lm_head. `TiedEmbeddings` keeps the two
+copies one weight: equal at the start, the same summed gradient at every step.
 """
 
 # B micro-batch, T tokens, D hidden, V vocab
@@ -30,17 +34,13 @@ def check_pipeline_parallel(config, pp_size):
             f"pp_size={pp_size} is larger than num_hidden_layers={config.num_hidden_layers}: "
             f"every stage needs at least one layer"
         )
-    if pp_size > 1 and config.tie_word_embeddings:
-        raise ValueError(
-            "tie_word_embeddings=True with pp_size > 1 is not supported: the embedding and lm_head "
-            "live on different stages; use an untied config or pp_size=1"
-        )
 
 
 def keep_stage(model, pgm):
     """Drop what this stage does not run. Call it on the meta device, before any weight exists.
     The layers kept are keyed by their global index, so their state-dict names are those of the
-    single-device model."""
+    single-device model. With tied embeddings the last stage's lm_head keeps the weight that the
+    dropped embedding shared: from now on a parameter of its own, the copy."""
     layers = stage_layers(len(model.model.layers), pgm.pp_rank, pgm.pp_size)
     model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
     if not pgm.pp_is_first_stage:
@@ -50,6 +50,46 @@ def keep_stage(model, pgm):
     return model
 
 
+### begin Tied embeddings
+class TiedEmbeddings:
+    """One weight, the embedding and lm_head, split between the first and the last stage.
+
+    Each of the two stages holds a copy. The copies start equal (the first stage's is broadcast to
+    the last) and get the same update: after the data-parallel average, their gradients are summed
+    over the two stages, which is the gradient of the one shared weight of a single device (the
+    sum of what the embedding and lm_head contribute). With the same gradient and the same AdamW
+    state they stay bit-identical. Nothing to do with one stage (the weight is shared), an untied
+    config, or on the stages in between.
+    """
+
+    def __init__(self, model, pgm):
+        self.group, self.weight, self.counted = None, None, model
+        if not (model.config.tie_word_embeddings and pgm.pp_size > 1):
+            return
+        # The embedding group: the first and last stage of each pipeline, one per (dp_rank,
+        # tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates every
+        # group, in the same order, even those it is not part of.
+        for ranks in pgm.grid[:, [0, -1], :].transpose(1, 2).reshape(-1, 2).tolist():
+            group = dist.new_group(ranks)
+            if pgm.global_rank in ranks:
+                self.group, self.first_rank = group, ranks[0]
+        if pgm.pp_is_first_stage:
+            self.weight = model.model.embed_tokens.weight
+        elif pgm.pp_is_last_stage:
+            self.weight = model.lm_head.weight
+            # The gradient norm counts the weight once, on the first stage: here all but lm_head.
+            self.counted = model.model
+        if self.weight is not None:  # the copy starts as the first stage's weight
+            with torch.no_grad():
+                dist.broadcast(self.weight, src=self.first_rank, group=self.group)
+
+    def sum_gradients(self):
+        """Call after the data-parallel sync, before clipping: both copies get the sum."""
+        if self.weight is not None:
+            dist.all_reduce(self.weight.grad, group=self.group)
+
+
+### end Tied embeddings
 class PipelineParallel(nn.Module):
     """This stage's forward: token ids or the previous stage's activations in, activations or
     (last stage) logits out."""
@@ -135,11 +175,13 @@ def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype):
     return total
 
 
-def clip_grad_norm(model, max_norm, pgm):
+def clip_grad_norm(model, max_norm, pgm, tied):
     """Clip by the whole model's gradient norm: each stage's squares (already summed over its
-    tensor-parallel group) are summed over the stages."""
-    params, squares = grad_squares(model, pgm.tp_group)
+    tensor-parallel group) are summed over the stages. A tied embedding counts once, as on one
+    device: the last stage's copy is left out of the squares, but clipped by the same factor."""
+    _, squares = grad_squares(tied.counted, pgm.tp_group)
     dist.all_reduce(squares, group=pgm.pp_group)
     total_norm = squares.sqrt()
+    params = [p for p in model.parameters() if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

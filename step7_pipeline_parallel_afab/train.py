@@ -6,7 +6,6 @@ gradients flow back (see pipeline_parallel.py). Composes with data and tensor pa
     torchrun --nproc_per_node 4 step7_pipeline_parallel_afab/train.py --pp_size 2 --dp_size 2
 """
 
-import argparse
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from dataloader import MicroBatchDataLoader, load_splits, load_tokenizer, tokeni
 from model import LlamaForCausalLM
 from pipeline_parallel import (
     PipelineParallel,
+    TiedEmbeddings,
     check_pipeline_parallel,
     clip_grad_norm,
     forward_step,
@@ -36,7 +36,18 @@ from tensor_parallel import (
     check_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    ArgumentParser,
+    StopSignal,
+    check_output_path,
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    run_main,
+    set_seed,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OVERRIDES = [
@@ -49,7 +60,7 @@ OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name",
@@ -111,8 +122,26 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in OVERRIDES:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ["learning_rate", "grad_clip"]:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    for name in ["weight_decay", "warmup_steps"]:
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    for name in ["eval_every", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not args.bucket_size_mb > 0:
+        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
+    if args.save_dir:
+        check_output_path("--save_dir", args.save_dir, folder=True)
+    if args.log_file:
+        check_output_path("--log_file", args.log_file, folder=False)
     if args.max_tokens is not None:
         tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
         tokens_per_step *= args.dp_size
@@ -149,10 +178,15 @@ def load_config(args):
         name = str(ASSETS / "configs" / name)
     try:
         config = AutoConfig.from_pretrained(name)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
+        where = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model"
+        )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: no such local directory, and "
-            f"the Hugging Face hub could not be reached or has no such model. The offline default "
+            f"could not load the model config {args.model_name!r}: {where}. The offline default "
             f"is --model_name tiny; assets/configs holds the others.\n{error}"
         ) from error
     if config.model_type != "llama":
@@ -167,6 +201,12 @@ def load_config(args):
         raise ValueError(f"num_attention_heads={H} does not divide hidden_size={D}")
     if H % K:
         raise ValueError(f"num_key_value_heads={K} does not divide num_attention_heads={H}")
+    d = getattr(config, "head_dim", None) or D // H
+    if d % 2:
+        raise ValueError(
+            f"head_dim={d} (hidden_size / num_attention_heads = {D} / {H}) is odd: the rotary "
+            f"embedding turns pairs of dimensions, so it must be even"
+        )
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={args.seq_len} exceeds "
@@ -185,7 +225,8 @@ def build_model(config, device, seed, pgm):
         apply_tensor_parallel(model, pgm.tp_group)
         keep_stage(model, pgm)  # this stage's layers only
     model.to_empty(device=device)
-    model.tie_weights()
+    if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
+        model.tie_weights()
     model.init_weights(seed)
     return model
 
@@ -238,14 +279,16 @@ def loss_fn(logits, targets, pgm):
     return vocab_parallel_cross_entropy(logits, targets, pgm.tp_group)
 
 
-def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape):
+def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape` is that of the activations passed between stages, (B, T, D)."""
+    `shape` is that of the activations passed between stages, (B, T, D); `tied`, the embedding's
+    copies on the first and last stage."""
     model.zero_grad(set_to_none=True)
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
     total = train_step_afab(model, micro_batches, stage_loss, shape, pgm, device, dtype)
     model.finish_gradient_synchronization()
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm)
+    tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
+    grad_norm = clip_grad_norm(model, args.grad_clip, pgm, tied)
     optimizer.step()
     scheduler.step()
     # The loss lives on the last stage: the sum over the pp group brings it to every rank.
@@ -355,6 +398,7 @@ def main(argv=None):
     model = build_model(config, device, args.seed, pgm)
     optimizer, scheduler = build_optimizer(model, args, device)
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
+    tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
     step_fn = torch.compile(stage) if args.compile else stage
     # The wrapper averages gradients over dp; checkpoints save the model itself.
     step_fn = DataParallelBucket(step_fn, pgm.dp_group, args.bucket_size_mb)
@@ -370,11 +414,12 @@ def main(argv=None):
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
+    stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_step(
-            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape
+            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
@@ -397,12 +442,19 @@ def main(argv=None):
                 f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
             )
         metrics.write(record)
-        if args.save_dir and (step % args.save_every == 0 or last):
+        stopped = stop_signal.requested(device)
+        if args.save_dir and (step % args.save_every == 0 or last or stopped):
             path = save_checkpoint(
                 args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
             )
             log(f"saved {path}")
+        if stopped:
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
+            break
     metrics.close()
+    if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
+        dist.destroy_process_group()
+        return
     text = sample(
         stage,
         tokenizer,
@@ -418,4 +470,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -4,7 +4,7 @@ A checkpoint is a folder `step_000100/` holding the model's config.json, the wei
 and, beside them, the optimizer, the learning-rate schedule, the random-number generators and the
 data position. It is written under a temporary name and renamed only when complete, and the
 `latest` file is replaced the same way, so a crash mid-save leaves the previous checkpoint as it
-was.
+was. Before anything is loaded, every file of the checkpoint is checked to be there and readable.
 
 With tensor and pipeline parallelism each rank holds a slice of the weights and of the optimizer
 state, so every (pipeline stage, tensor-parallel rank) writes its own shard
@@ -13,10 +13,12 @@ state, so every (pipeline stage, tensor-parallel rank) writes its own shard
 
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 
@@ -71,15 +73,39 @@ def latest_checkpoint(save_dir):
     return Path(save_dir) / latest.read_text().strip() if latest.exists() else None
 
 
+def check_complete(path, files):
+    """Refuse a checkpoint with a file missing, truncated or damaged, before any weight is loaded.
+    Every rank checks every file, not only its own, so all ranks refuse it together."""
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist (named by {path.parent / 'latest'})")
+    for name in files:
+        if not (path / name).is_file():
+            raise ValueError(f"checkpoint {path} is incomplete: it has no {name}")
+        try:  # reads only the safetensors header, or the zip index at the end of a torch.save file
+            if name.endswith(".safetensors"):
+                with safe_open(str(path / name), framework="pt") as weights:
+                    weights.keys()
+            else:
+                zipfile.ZipFile(path / name).close()
+        except (OSError, SafetensorError, zipfile.BadZipFile) as error:
+            raise ValueError(
+                f"checkpoint {path}: {name} is truncated or damaged ({error})"
+            ) from error
+
+
 def load_checkpoint(path, model, optimizer, scheduler, loader, device, pgm):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
     path, shard = Path(path), shard_name(pgm)
-    if not (path / f"model-{shard}.safetensors").exists():
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, shard)  # every rank's shard, so that each rank checks them all
+    if path.is_dir() and not any((path / f"model-{s}.safetensors").exists() for s in shards):
         saved = ", ".join(sorted(p.name for p in path.glob("model*.safetensors")))
         raise ValueError(
             f"{path} has no shard {shard} (it holds {saved}): resume with the parallel layout "
             f"the checkpoint was saved with"
         )
+    files = [(f"model-{s}.safetensors", f"trainer_state-{s}.pt") for s in sorted(set(shards))]
+    check_complete(path, [name for pair in files for name in pair])
     load_model(model, str(path / f"model-{shard}.safetensors"), device=str(device))
     state = torch.load(path / f"trainer_state-{shard}.pt", map_location=device, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])

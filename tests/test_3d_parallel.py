@@ -70,16 +70,18 @@ def test_grid_checkpoint_exports_to_transformers(tmp_path, grid_run):
 
 
 @pytest.mark.parametrize(
-    "layout",
-    [["--pp_size", "2", "--tp_size", "2"], ["--dp_size", "2", "--tp_size", "2"]],
-    ids=["pp2-tp2", "dp2-tp2"],
+    "layout, tied",
+    [(["--pp_size", "2", "--tp_size", "2"], True), (["--dp_size", "2", "--tp_size", "2"], False)],
+    ids=["pp2-tp2-tied", "dp2-tp2"],
 )
-def test_init_from_hf_into_a_layout(tmp_path, layout):
+def test_init_from_hf_into_a_layout(tmp_path, layout, tied):
     """A transformers checkpoint loaded slice by slice: the first step's loss (computed before
-    the update) is the transformers model's loss on the same batch."""
+    the update) is the transformers model's loss on the same batch. Tied, the file has no
+    lm_head: the last stage's copy takes the embedding's slices."""
     config = transformers.LlamaConfig(
         vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(config).eval()

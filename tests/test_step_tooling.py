@@ -25,7 +25,7 @@ from steps import step_files, step_folders, step_number  # noqa: E402
 # Entries for steps not written yet are guesses: correct them when the step is written.
 STEP_CHANGES = {
     "step2_process_group_manager": {"process_group_manager.py", "train.py", "README.md"},
-    "step3_dataloader": {"dataloader.py", "checkpoint.py", "train.py", "README.md"},
+    "step3_dataloader": {"dataloader.py", "checkpoint.py", "utils.py", "train.py", "README.md"},
     "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
     "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
     "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
@@ -36,7 +36,7 @@ STEP_CHANGES = {
         "README.md",
     },
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
-    "step9_3d_parallel": {"train.py", "README.md"},
+    "step9_3d_parallel": {"checkpoint.py", "train.py", "README.md"},
     "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
 }
 

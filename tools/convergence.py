@@ -11,9 +11,13 @@ shows from the first step.
 
     python tools/convergence.py --steps 200 --out_dir runs/convergence
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
+    python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
+                                                               # another layout (step 9)
+    python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
 
-`inject(bug)` writes a launcher that runs a step's train.py with one known bug patched in from
-outside, the step's files untouched, to show that the comparison catches it.
+`inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
+known bug patched in from outside, the step's files untouched, to show that the comparison
+catches it.
 """
 
 import argparse
@@ -25,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +80,74 @@ def default_layouts(accumulation):
         Layout("tp2_dp2_pp2", STEP9, 8, (*grid, *bucket), half),
         Layout("pp3_1f1b", STEP9, 3, ("--pp_size", "3", "--pp_engine", "1f1b"), accumulation),
     ]
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A step-9 run that saves halfway in one layout and goes on from that checkpoint in
+    another."""
+
+    name: str
+    first: Layout
+    second: Layout
+
+
+def reshard_layouts(accumulation):
+    """Saved at pp 3 (one layer per stage), resumed at tp 2 x dp 2: every axis changes."""
+    pp3 = Layout("pp3", STEP9, 3, ("--pp_size", "3", "--pp_engine", "1f1b"), accumulation)
+    tp2_dp2 = Layout("tp2_dp2", STEP9, 4, ("--tp_size", "2", "--dp_size", "2"), accumulation // 2)
+    return [Reshard("pp3->tp2_dp2", pp3, tp2_dp2)]
+
+
+def run_resharded(reshard, common_args, out_dir, steps, env=None, timeout=600):
+    """Train `reshard.first` for `steps`, saving at steps // 2, then resume that checkpoint in
+    `reshard.second` up to `steps` (the first run goes to the end, so that both halves follow
+    the same learning-rate schedule). Returns the first half's log followed by the second's."""
+    out_dir, half = Path(out_dir) / reshard.name.replace(">", ""), steps // 2
+    save = ["--save_dir", str(out_dir / "checkpoints")]
+    first = replace(reshard.first, name="first")
+    records = run(
+        first, [*common_args, *save, "--save_every", str(half)], out_dir, env, None, timeout
+    )
+    (out_dir / "checkpoints" / "latest").write_text(f"step_{half:06d}")  # as if it stopped there
+    second = replace(reshard.second, name="second")
+    return records[:half] + run(
+        second, [*common_args, *save, "--resume"], out_dir, env, None, timeout
+    )
+
+
+def tied_layouts(accumulation):
+    """Layouts of a model with tied embeddings (see `tied_config`), whose embedding and lm_head
+    live on different stages: pp2 (step 7, AFAB), pp3 (step 8, 1F1B), tp2 x pp2 (step 8, AFAB)
+    and the 3D grid (step 9, 1F1B). With 5 layers both pp2 and pp3 are uneven."""
+    if accumulation % 2:
+        raise ValueError(
+            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+        )
+    half = accumulation // 2
+    tp2_pp2 = ("--tp_size", "2", "--pp_size", "2", "--pp_engine", "afab")
+    grid = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+    pp3 = ("--pp_size", "3", "--pp_engine", "1f1b")
+    return [
+        Layout(
+            "tied_pp2_afab", "step7_pipeline_parallel_afab", 2, ("--pp_size", "2"), accumulation
+        ),
+        Layout("tied_pp3_1f1b", "step8_pipeline_parallel_1f1b", 3, pp3, accumulation),
+        Layout("tied_tp2_pp2_afab", "step8_pipeline_parallel_1f1b", 4, tp2_pp2, accumulation),
+        Layout("tied_tp2_dp2_pp2", STEP9, 8, (*grid, "--bucket_size_mb", "0.05"), half),
+    ]
+
+
+def tied_config(model_name, directory):
+    """Write `model_name`'s config (assets/configs/NAME, a folder or a hub id) with
+    tie_word_embeddings=True into `directory`; returns the folder, for --model_name."""
+    from transformers import AutoConfig  # only here: the rest of the harness needs no torch
+
+    local = ROOT / "assets" / "configs" / model_name
+    config = AutoConfig.from_pretrained(str(local) if local.is_dir() else model_name)
+    config.tie_word_embeddings = True
+    config.save_pretrained(directory)
+    return Path(directory)
 
 
 def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
@@ -294,6 +366,16 @@ def init_parameter(self, name, make_full):
 tensor_parallel.ColumnParallelLinear.init_parameter = init_parameter
 """,
     ),
+    "tied_grad_not_summed": (
+        "tied_pp2_afab",
+        """
+import pipeline_parallel
+
+# The bug: no sum over the first and last stage, each copy of the tied embedding follows its own
+# gradient (the embedding's on the first stage, lm_head's on the last).
+pipeline_parallel.TiedEmbeddings.sum_gradients = lambda self: None
+""",
+    ),
 }
 
 
@@ -343,17 +425,33 @@ def parse_args(argv):
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     names = [layout.name for layout in default_layouts(2)]
+    tied_names = [layout.name for layout in tied_layouts(2)]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="flags after -- go to every train.py: -- --dataset_name roneneldan/TinyStories",
     )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--out_dir", default="runs/convergence")
-    parser.add_argument("--layouts", help=f"comma-separated, default all: {','.join(names)}")
+    parser.add_argument(
+        "--layouts",
+        help=f"comma-separated, default all: {','.join(names)} (with --tied: "
+        f"{','.join(tied_names)})",
+    )
+    parser.add_argument(
+        "--bug",
+        choices=sorted(BUGS),
+        help="run only the layout this bug breaks, with the bug patched in: it must differ",
+    )
     parser.add_argument(
         "--gradient_accumulation_steps", type=int, default=2, help="the baseline's; even"
     )
     parser.add_argument("--model_name", default="tiny")
+    parser.add_argument(
+        "--tied",
+        action="store_true",
+        help="tie the model's embeddings (a config written to out_dir/config_tied) and run the "
+        "tied layouts instead",
+    )
     for name in OVERRIDES:
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--micro_batch_size", type=int)
@@ -369,18 +467,39 @@ def parse_args(argv):
         "--rtol_late", type=float, default=1e-2, help="the later steps' loss and val_loss"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    parser.add_argument(
+        "--reshard",
+        action="store_true",
+        help=f"also {', '.join(r.name for r in reshard_layouts(2))}: half the steps in one "
+        f"layout, the rest in another from its checkpoint",
+    )
     args = parser.parse_args(argv)
     try:
-        layouts = default_layouts(args.gradient_accumulation_steps)
+        layouts = (tied_layouts if args.tied else default_layouts)(args.gradient_accumulation_steps)
     except ValueError as error:
         parser.error(str(error))
+    names = tied_names if args.tied else names
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - set(names))
         if unknown:
             parser.error(f"unknown layouts {','.join(unknown)}; known: {','.join(names)}")
         layouts = [layout for layout in layouts if layout.name in wanted]
-    common = ["--max_steps", str(args.steps), "--model_name", args.model_name]
+    if args.bug:
+        if args.layouts:
+            parser.error(
+                f"--bug {args.bug} runs the layout it breaks, {BUGS[args.bug][0]}: no --layouts"
+            )
+        layouts = [layout for layout in layouts if layout.name == BUGS[args.bug][0]]
+        if not layouts:
+            parser.error(f"--bug {args.bug} breaks {BUGS[args.bug][0]}, a tied layout: add --tied")
+    model_name = args.model_name
+    if args.tied:
+        try:
+            model_name = str(tied_config(model_name, Path(args.out_dir) / "config_tied"))
+        except OSError as error:
+            parser.error(f"--model_name {args.model_name}: no config found ({error})")
+    common = ["--max_steps", str(args.steps), "--model_name", model_name]
     for name in [*OVERRIDES, "micro_batch_size", "seq_len"]:
         if getattr(args, name) is not None:
             common += [f"--{name}", str(getattr(args, name))]
@@ -390,12 +509,16 @@ def parse_args(argv):
 def main(argv=None):
     args, layouts, common = parse_args(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = inject(args.bug, out_dir) if args.bug else None  # the baseline runs without it
     runs, results, failures = {}, {}, {}
     for layout in [baseline_layout(args.gradient_accumulation_steps), *layouts]:
         start = time.perf_counter()
-        print(f"{layout.name}: {layout.step} on {layout.nproc} ...", end=" ", flush=True)
+        bug = launcher if layout.name != "baseline" else None
+        note = f" with the bug {args.bug}" if bug else ""
+        print(f"{layout.name}: {layout.step} on {layout.nproc}{note} ...", end=" ", flush=True)
         try:
-            runs[layout.name] = run(layout, common, out_dir, timeout=args.timeout)
+            runs[layout.name] = run(layout, common, out_dir, launcher=bug, timeout=args.timeout)
         except RuntimeError as error:
             if layout.name == "baseline":
                 sys.exit(f"convergence.py: the baseline failed: {error}")
@@ -403,6 +526,14 @@ def main(argv=None):
             print("failed")
             continue
         print(f"{time.perf_counter() - start:.0f} s")
+    for reshard in reshard_layouts(args.gradient_accumulation_steps) if args.reshard else []:
+        print(f"{reshard.name}: {reshard.first.nproc}, then {reshard.second.nproc} ...", flush=True)
+        try:
+            runs[reshard.name] = run_resharded(
+                reshard, common, out_dir, args.steps, None, args.timeout
+            )
+        except RuntimeError as error:
+            failures[reshard.name] = str(error).splitlines()[0]
     baseline = runs.pop("baseline")
     for name, records in runs.items():
         results[name] = compare(

@@ -4,17 +4,22 @@ A checkpoint folder holds one safetensors file per shard of the model:
 
     model.safetensors                              one device (steps 1-3)
     model-tp{t}-of-{T}.safetensors                 tensor-parallel rank t of T (steps 4-6)
-    model-pp{p}-of-{P}-tp{t}-of-{T}.safetensors    pipeline stage p of P, tp rank t (steps 7-9)
+    model-pp{p}-of-{P}-tp{t}-of-{T}.safetensors    pipeline stage p of P, tp rank t (steps 7-8)
 
 Every file uses transformers' key names with global layer indices. Pipeline stages hold disjoint
 sets of keys, so merging stages is a union; tensor-parallel ranks hold slices of the same keys, so
 merging ranks is a concatenation along the dimension each weight was split on (SPLIT_DIM).
+
+Step 9's checkpoints (those with an index.json) name the same files, but the index says where
+each slice of each tensor lies (file, split dimension, offset); weights that every tp rank holds
+whole are stored once, and the optimizer's files beside them are not read here.
 
     python tools/export_hf.py checkpoints/run out/hf --tokenizer tinytales
 """
 
 import argparse
 import copy
+import json
 import re
 import shutil
 import sys
@@ -166,6 +171,41 @@ def merge_shards(pp_size, tp_size, shards):
     return state_dict
 
 
+def read_indexed(folder):
+    """The full weights of a checkpoint with an index.json: each tensor is the concatenation of
+    its pieces along the dim the index gives, or its one piece. Returns (state dict, layout)."""
+    index = json.loads((folder / "index.json").read_text())
+    files = {}
+    for key, entry in index["model"].items():
+        for piece in entry["pieces"]:
+            files.setdefault(piece["file"], []).append(key)
+    state_dict = {}
+    for file, keys in sorted(files.items()):
+        if not (folder / file).is_file():
+            raise ValueError(f"{folder} is incomplete: {file} is missing")
+        try:
+            handle = safe_open(folder / file, framework="pt")
+        except Exception as error:  # safetensors checks the header and the file's length
+            raise ValueError(f"{folder / file} cannot be read ({error})") from error
+        unlisted = sorted(set(handle.keys()) - set(keys))
+        if unlisted:
+            raise ValueError(
+                f"{folder / file} holds tensors that index.json does not list: "
+                f"{short_list(unlisted)}"
+            )
+        for key in keys:
+            state_dict.setdefault(key, {})[file] = handle.get_tensor(key)
+    for key, entry in index["model"].items():
+        pieces = [state_dict[key][piece["file"]] for piece in entry["pieces"]]
+        state_dict[key] = pieces[0] if entry["dim"] is None else torch.cat(pieces, entry["dim"])
+        if list(state_dict[key].shape) != entry["shape"]:
+            raise ValueError(
+                f"{key}: its pieces make {list(state_dict[key].shape)}, index.json says "
+                f"{entry['shape']}"
+            )
+    return state_dict, index["layout"]
+
+
 def drop_tied_head(state_dict, config):
     """With tied embeddings the checkpoint may hold the table as lm_head.weight (safetensors keeps
     one name of a shared tensor), as embed_tokens, or as both (the first and last pipeline
@@ -249,11 +289,23 @@ def load_merged_state_dict(checkpoint, config=None):
                 f"it was trained with (on the command line: --model_name and its overrides)"
             )
         config = read_config(folder)
-    pp_size, tp_size, shards = find_shards(folder)
-    state_dict = merge_shards(pp_size, tp_size, shards)
+    if (folder / "index.json").is_file():
+        state_dict, layout = read_indexed(folder)
+        pp_size, tp_size = layout["pp_size"], layout["tp_size"]
+    else:
+        pp_size, tp_size, shards = find_shards(folder)
+        state_dict = merge_shards(pp_size, tp_size, shards)
     drop_tied_head(state_dict, config)
     check_complete(state_dict, config, f"{folder} ({describe_layout(pp_size, tp_size)})")
     return state_dict, config
+
+
+def saved_layout(folder):
+    """(pp_size, tp_size) of the layout that wrote a checkpoint folder."""
+    if (folder / "index.json").is_file():
+        layout = json.loads((folder / "index.json").read_text())["layout"]
+        return layout["pp_size"], layout["tp_size"]
+    return find_shards(folder)[:2]
 
 
 def add_model_args(parser):
@@ -327,7 +379,7 @@ def main(argv=None):
     except ValueError as error:
         sys.exit(f"export_hf.py: error: {error}")
     folder = resolve_checkpoint(args.checkpoint)
-    layout = describe_layout(*find_shards(folder)[:2])
+    layout = describe_layout(*saved_layout(folder))
     print(f"{folder} ({layout}) -> {args.out_dir}: {num_params:,} parameters in {args.dtype}")
 
 

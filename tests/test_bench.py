@@ -1,0 +1,80 @@
+"""tools/bench.py's agreement checks, run cheaply: our model equals transformers', bucketed and
+naive data parallelism equal DDP, our tensor parallelism's loss equals DTensor's, and our 1F1B and
+AFAB gradients equal torch.distributed.pipelining's Schedule1F1B, so the comparisons cannot rot."""
+
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import bench  # noqa: E402
+
+TINY_BENCH = [
+    "--num_hidden_layers", "2", "--hidden_size", "64", "--intermediate_size", "128",
+    "--num_attention_heads", "4", "--num_key_value_heads", "2",
+    "--seq_len", "16", "--micro_batch_size", "2", "--micro_batches", "4",
+    "--steps", "1", "--warmup", "0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run():
+    """run(part): one run of that comparison (the checked step, then one timed step per side),
+    shared by the tests; its rows by our side's name."""
+    cache = {}
+
+    def rows(part):
+        if part not in cache:
+            args = bench.parse_args([*TINY_BENCH, "--parts", part])
+            cache[part] = {r["ours"]: r for r in bench.measure(args, timeout=300)}
+        return cache[part]
+
+    return rows
+
+
+def checks(row):
+    return {what: value for what, value, _ in row["checks"]}
+
+
+def test_pipeline_gradients_equal_schedule_1f1b(run):
+    """Every gradient of every stage after one step; m = 4 is a power of two, so dividing the
+    loss by m (ours) and the summed gradients by m (theirs) round alike: equal to the bit."""
+    for engine in ["1F1B", "AFAB"]:
+        row = run("pp")[engine]
+        assert row["theirs"] == "Schedule1F1B"
+        assert checks(row)["grad"] <= 1e-6, row
+        assert row["ok"]
+
+
+def test_tensor_parallel_loss_equals_dtensor(run):
+    """The losses of two steps (the checked one and the timed one), each side training."""
+    row = run("tp")["ours"]
+    assert row["theirs"] == "DTensor"
+    assert checks(row)["loss"] <= 1e-5, row
+
+
+def test_model_and_data_parallel_agree(run):
+    model = run("model")["ours"]
+    assert model["theirs"] == "transformers"
+    assert checks(model)["grad"] <= 1e-5 and checks(model)["loss"] <= 1e-5, model
+    for name in ["bucketed", "naive"]:
+        row = run("dp")[name]
+        assert row["theirs"] == "DDP"
+        assert checks(row)["grad"] <= 1e-6, row
+
+
+def test_table_shows_every_comparison(run):
+    rows = [row for part in ["model", "dp", "tp", "pp"] for row in run(part).values()]
+    text = bench.table(rows)
+    assert text.count("\n") == len(rows) + 1  # a header, a rule, one line per comparison
+    for row in rows:
+        assert row["ours_ms"] > 0 and row["theirs_ms"] > 0, row
+    assert "FAILED" not in text
+
+
+def test_bad_flags_are_refused(capsys):
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--parts", "model,zero"])
+    assert error.value.code == 2
+    assert "unknown zero" in capsys.readouterr().err

@@ -1,0 +1,258 @@
+"""The commands the READMEs show work as printed. Every `torchrun ...`, `python stepK_*/...` and
+`python tools/...` command in the code blocks of README.md and the step READMEs, and in the step
+table, is checked: the script exists, its flags parse with the step's own parser, and the process
+count equals tp_size x pp_size x dp_size. Then it runs for two steps with the process count and
+every flag as written, only the model shrunk to test size (TINY, with enough layers and heads
+for the pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a
+comment as needing a GPU, the network or two nodes is checked but not run; so are the
+convergence harness's commands (tests/test_convergence.py runs the harness). tools/README.md
+contributes its convergence commands; its other examples name placeholder checkpoints.
+
+The commands of one README share a working folder, in order: a command that reads a checkpoint
+finds the one an earlier `--save_dir` command of the same README wrote there."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+from conftest import ROOT, TINY, import_step
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convergence  # noqa: E402
+
+READMES = [
+    "README.md",
+    *sorted(path.relative_to(ROOT).as_posix() for path in ROOT.glob("step*/README.md")),
+    "tools/README.md",
+]
+# What a command needs that a CPU machine without a network lacks, said in a comment on its line
+# or on a comment line above it.
+MARKER = re.compile(r"#.*\b(needs (a|\d+) GPUs?|needs the network|two nodes)")
+SCRIPT = re.compile(r"(step\d+_\w+|tools)/\w+\.py$")
+SHAPE = ["num_hidden_layers", "hidden_size", "intermediate_size"]
+SHAPE += ["num_attention_heads", "num_key_value_heads"]
+
+
+@dataclass
+class Command:
+    readme: str
+    line: int
+    text: str
+    marked: bool  # needs a GPU, the network or two nodes: checked, not run
+
+    @property
+    def tokens(self):
+        return shlex.split(self.text, comments=True)
+
+    @property
+    def launcher(self):
+        """torchrun's own flags as a dict (--nproc_per_node 4 -> {'nproc_per_node': '4'})."""
+        if self.tokens[0] != "torchrun":
+            return {}
+        tokens = self.tokens[1 : self.tokens.index(self.script)]
+        tokens = [part for token in tokens for part in token.split("=", 1)]  # --a=b or --a b
+        return {
+            key.lstrip("-"): value for key, value in zip(tokens[::2], tokens[1::2], strict=True)
+        }
+
+    @property
+    def script(self):
+        return next((t for t in self.tokens if t.endswith(".py")), "")
+
+    @property
+    def args(self):
+        return self.tokens[self.tokens.index(self.script) + 1 :]
+
+    @property
+    def step(self):
+        return self.script.split("/")[0]
+
+    @property
+    def trains(self):
+        return self.script.endswith("/train.py")
+
+    @property
+    def runs(self):
+        return not self.marked and not self.script.endswith("convergence.py")
+
+    @property
+    def writes(self):
+        """It reads or writes files relative to the working folder."""
+        return not self.trains or any(f in self.args for f in ["--save_dir", "--init_from_hf"])
+
+    def __str__(self):
+        return f"{self.readme}:{self.line}: {self.text}"
+
+
+def is_command(tokens, readme):
+    if not tokens:
+        return False
+    if tokens[0] == "torchrun":
+        return True
+    if tokens[0] != "python" or len(tokens) < 2 or not SCRIPT.match(tokens[1]):
+        return False
+    # tools/README.md's other examples name checkpoints that only exist after a run of yours.
+    return readme != "tools/README.md" or tokens[1] == "tools/convergence.py"
+
+
+def extract(readme):
+    """The commands of one README: code-block lines (with their continuations) and the inline
+    code of table rows."""
+    found, in_block, marked = [], False, False
+    lines = (ROOT / readme).read_text().splitlines()
+    number = 0
+    while number < len(lines):
+        line, start = lines[number].strip(), number + 1
+        number += 1
+        if line.startswith("```"):
+            in_block, marked = not in_block, False
+            continue
+        if not in_block:
+            if line.startswith("|"):  # the step table: inline code in a cell
+                for code in re.findall(r"`([^`]+)`", line):
+                    if is_command(shlex.split(code), readme):
+                        found.append(Command(readme, start, code, False))
+            continue
+        while line.endswith("\\") and number < len(lines):
+            line = line[:-1].rstrip() + " " + lines[number].strip()
+            number += 1
+        if line.startswith("#"):
+            marked = marked or bool(MARKER.search(line))
+        elif is_command(shlex.split(line, comments=True), readme):
+            found.append(Command(readme, start, line, marked or bool(MARKER.search(line))))
+            marked = False
+    return found
+
+
+COMMANDS = [command for readme in READMES for command in extract(readme)]
+
+
+def by_step(command):
+    """The step a command belongs to: the one it trains, or the README's (tools otherwise)."""
+    if command.trains:
+        return command.step
+    folder = command.readme.split("/")[0]
+    return folder if folder.startswith("step") else "tools"
+
+
+PARAMS = [
+    pytest.param(c, id=f"{by_step(c)}-{c.readme}:{c.line}")
+    for c in sorted(COMMANDS, key=lambda c: (by_step(c), READMES.index(c.readme), c.line))
+]
+
+
+def test_the_readmes_show_commands():
+    """The extraction finds what it must: the step table, continuations, the markers."""
+    table = [c for c in COMMANDS if c.readme == "README.md" and c.text.startswith(("torch", "py"))]
+    steps = {c.step for c in table if c.trains}
+    assert len(steps) >= 9, sorted(steps)
+    assert any(c.marked for c in COMMANDS) and any(c.runs for c in COMMANDS)
+    assert all("\\" not in c.text for c in COMMANDS)
+
+
+def parse(command):
+    """The flags parse with the step's parser, and the processes fill the grid."""
+    assert (ROOT / command.script).is_file(), f"{command}\nno such script: {command.script}"
+    if command.script.endswith("convergence.py"):
+        try:
+            _, layouts, common = convergence.parse_args(command.args)
+            for layout in [convergence.baseline_layout(2), *layouts]:  # every train.py it starts
+                import_step(layout.step, "train").parse_args([*common, *layout.flags])
+        except SystemExit:
+            pytest.fail(f"{command}\nthe flags do not parse")
+        return None
+    if not command.trains:
+        return None
+    try:
+        args = import_step(command.step, "train").parse_args(command.args)
+    except SystemExit:  # argparse has printed why
+        pytest.fail(f"{command}\nthe flags do not parse with {command.step}/train.py")
+    launcher = command.launcher
+    world = int(launcher.get("nproc_per_node", 1)) * int(launcher.get("nnodes", 1))
+    grid = [getattr(args, f"{axis}_size", 1) for axis in ["tp", "pp", "dp"]]
+    assert world == grid[0] * grid[1] * grid[2], (
+        f"{command}\n{world} processes for tp {grid[0]} x pp {grid[1]} x dp {grid[2]}"
+    )
+    return args
+
+
+def overrides(command, args):
+    """Two steps, the test-size model; the flags the command gives itself are kept."""
+    given = {token for token in command.args if token.startswith("--")}
+    extra = {"--max_steps": "2", **model_size(args)}
+    if int(re.match(r"step(\d+)", command.step)[1]) >= 3:  # the data flags come with step 3
+        extra.update({"--eval_steps": "1", "--sample_tokens": "4", "--num_proc": "1"})
+    return [s for k, v in extra.items() if k == "--max_steps" or k not in given for s in (k, v)]
+
+
+def model_size(args):
+    """TINY, with as many layers as stages and heads as tensor-parallel ranks."""
+    tiny = dict(zip(TINY[::2], TINY[1::2], strict=True))
+    tp, pp = getattr(args, "tp_size", 1), getattr(args, "pp_size", 1)
+    if getattr(args, "init_from_hf", None):  # the shape comes from the checkpoint (tiny here)
+        return {k: v for k, v in tiny.items() if k.lstrip("-") not in SHAPE}
+    tiny["--num_hidden_layers"] = str(max(2, pp))
+    tiny["--num_attention_heads"] = str(max(4, tp))
+    tiny["--num_key_value_heads"] = str(max(2, tp))
+    return tiny
+
+
+def argv(command, args):
+    script = str(ROOT / command.script)
+    if command.tokens[0] == "torchrun":
+        launcher = [f"--{key}={value}" for key, value in command.launcher.items()]
+        # A rendezvous of its own, so that concurrent runs do not meet on port 29500.
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher]
+    else:
+        head = [sys.executable]
+    extra = overrides(command, args) if command.trains else []
+    return [*head, script, *command.args, *extra]
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    """One working folder per README, and what already ran: {command text: result}."""
+    return {"dirs": {}, "done": {}, "factory": tmp_path_factory}
+
+
+def run(command, workdirs):
+    # The same command in several READMEs runs once, unless it works with files.
+    key = " ".join(command.tokens) if not command.writes else f"{command.readme}:{command.line}"
+    if key in workdirs["done"]:
+        return workdirs["done"][key]
+    args = parse(command)
+    readme = command.readme
+    if readme not in workdirs["dirs"]:
+        workdirs["dirs"][readme] = workdirs["factory"].mktemp(readme.replace("/", "_"))
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        argv(command, args),
+        cwd=workdirs["dirs"][readme],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    workdirs["done"][key] = result
+    return result
+
+
+@pytest.mark.parametrize("command", PARAMS)
+def test_command(command, workdirs):
+    parse(command)
+    if not command.runs:
+        return
+    # What a command reads (a checkpoint, an export) was written by earlier commands of its README.
+    for earlier in COMMANDS:
+        if earlier.readme == command.readme and earlier.line < command.line and earlier.runs:
+            if earlier.writes:
+                run(earlier, workdirs)
+    result = run(command, workdirs)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{output[-4000:]}"
+    if command.trains and "--resume" not in command.args:  # a resumed run may have no step left
+        assert re.search(r"step 2/2 \| loss", output), f"{command}\n{output[-4000:]}"

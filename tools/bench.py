@@ -1,0 +1,175 @@
+"""Side by side with PyTorch's own: our model, data, tensor and pipeline parallelism against
+transformers' Llama, DistributedDataParallel, DTensor and torch.distributed.pipelining.
+
+    python tools/bench.py                       # everything, the tiny model, about 2 minutes
+    python tools/bench.py --parts pp --steps 30 --micro_batches 8
+
+Each comparison starts both sides from the same weights, runs one training step of each and checks
+that they agree (gradients, or the losses of every step for DTensor), then times their steps in
+turn, rotating which goes first, and prints the median of each and the ratio ours / theirs. The
+multi-process parts spawn their own ranks (gloo on the CPU, NCCL when there are enough GPUs).
+"""
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_parts  # noqa: E402
+
+WORLD = {"model": 1, "dp": 2, "tp": 2, "pp": 2}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="model,dp,tp,pp", help="which comparisons, in order")
+    parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
+    for name in bench_parts.OVERRIDES:
+        parser.add_argument(f"--{name}", type=int, help="override the config's value")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--micro_batch_size", type=int, default=2)
+    parser.add_argument("--micro_batches", type=int, default=8, help="per step, the whole batch")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side first")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in WORLD]
+    if unknown:
+        parser.error(f"--parts: unknown {','.join(unknown)}; choose from {','.join(WORLD)}")
+    if args.micro_batches % 2:
+        parser.error(f"--micro_batches must be even (dp 2 splits them), got {args.micro_batches}")
+    for name in ["seq_len", "micro_batch_size", "micro_batches", "steps", "threads"]:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    args.parts = parts
+    return args
+
+
+def device_for(args, world):
+    """CUDA when asked for (or auto) and there is a GPU per rank; else the CPU."""
+    wanted = args.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.device_count() >= world else "cpu"
+    return wanted
+
+
+def worker(rank, world, part, args, store_path, out_path):
+    torch.set_num_threads(args.threads)
+    device = torch.device(device_for(args, world))
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=None)
+    rows = bench_parts.PARTS[part](args, device)
+    if rank == 0:
+        torch.save(rows, out_path)
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
+    dist.destroy_process_group()
+
+
+def spawn(part, args, world, timeout):
+    """Run `part` on `world` new ranks; rank 0's rows. A hang is killed after `timeout` s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
+        context = mp.spawn(worker, (world, part, args, store, out), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"bench part {part} on {world} ranks took over {timeout} s")
+        return torch.load(out)
+
+
+def run_part(part, args, timeout=3600):
+    """The rows of one comparison: in this process for one device, else in spawned ranks."""
+    world = WORLD[part]
+    if world == 1:
+        torch.set_num_threads(args.threads)
+        rows = bench_parts.PARTS[part](args, torch.device(device_for(args, 1)))
+    else:
+        rows = spawn(part, args, world, timeout)
+    for row in rows:
+        row["device"] = device_for(args, world)
+        row["ok"] = all(value <= tolerance for _, value, tolerance in row["checks"])
+    return rows
+
+
+def machine():
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    text = f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}"
+    text += f", transformers {transformers.__version__}"
+    if torch.cuda.is_available():
+        text += f"; {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return text
+
+
+def table(rows):
+    lines = [
+        "| comparison | ours | theirs | device | ours ms | theirs ms | ours / theirs | agreement |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        checks = ", ".join(f"max rel Δ{what} {value:.1e}" for what, value, _ in r["checks"])
+        ratio = r["ours_ms"] / r["theirs_ms"]
+        lines.append(
+            f"| {r['part']} | {r['ours']} | {r['theirs']} | {r['device']} | {r['ours_ms']:.1f} "
+            f"| {r['theirs_ms']:.1f} | {ratio:.2f} | {checks}{'' if r['ok'] else ' FAILED'} |"
+        )
+    return "\n".join(lines)
+
+
+def measure(args, timeout=3600):
+    rows = []
+    for part in args.parts:
+        rows += run_part(part, args, timeout)
+        print(f"{part}: done", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = measure(args)
+    config = bench_parts.load_config(args)
+    print(
+        f"{args.model_name} model: {config.num_hidden_layers} layers, hidden "
+        f"{config.hidden_size}, vocab {config.vocab_size}, fp32; batch {args.micro_batches} "
+        f"micro-batches x {args.micro_batch_size} x {args.seq_len} tokens; median of "
+        f"{args.steps} steps after {args.warmup} warm-up, sides alternating\n"
+        f"on {machine()}, {args.threads} thread(s) per process\n"
+    )
+    print(table(rows))
+    failed = [f"{r['part']} {r['ours']}" for r in rows if not r["ok"]]
+    if failed:
+        print(f"\nDISAGREEMENT: {', '.join(failed)} (over the tolerance)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
