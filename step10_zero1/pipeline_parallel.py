@@ -8,6 +8,10 @@ possible and then alternates one forward with one backward, so a stage holds the
 at most pp_size - pp_rank micro-batches instead of all of them, for the same bubble. Each stage
 builds only its own layers, with the same names (and so the same initial weights) as in the
 single-device model.
+
+A tied embedding (`tie_word_embeddings`, one matrix used at both ends of the model) is held twice:
+by the first stage as the embedding, by the last as lm_head. `TiedEmbeddings` keeps the two
+copies one weight: equal at the start, the same summed gradient at every step.
 """
 
 # B micro-batch, T tokens, D hidden, V vocab
@@ -37,17 +41,13 @@ def check_pipeline_parallel(config, pp_size):
             f"pp_size={pp_size} is larger than num_hidden_layers={config.num_hidden_layers}: "
             f"every stage needs at least one layer"
         )
-    if pp_size > 1 and config.tie_word_embeddings:
-        raise ValueError(
-            "tie_word_embeddings=True with pp_size > 1 is not supported: the embedding and lm_head "
-            "live on different stages; use an untied config or pp_size=1"
-        )
 
 
 def keep_stage(model, pgm):
     """Drop what this stage does not run. Call it on the meta device, before any weight exists.
     The layers kept are keyed by their global index, so their state-dict names are those of the
-    single-device model."""
+    single-device model. With tied embeddings the last stage's lm_head keeps the weight that the
+    dropped embedding shared: from now on a parameter of its own, the copy."""
     layers = stage_layers(len(model.model.layers), pgm.pp_rank, pgm.pp_size)
     model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
     if not pgm.pp_is_first_stage:
@@ -57,6 +57,46 @@ def keep_stage(model, pgm):
     return model
 
 
+### begin Tied embeddings
+class TiedEmbeddings:
+    """One weight, the embedding and lm_head, split between the first and the last stage.
+
+    Each of the two stages holds a copy. The copies start equal (the first stage's is broadcast to
+    the last) and get the same update: after the data-parallel average, their gradients are summed
+    over the two stages, which is the gradient of the one shared weight of a single device (the
+    sum of what the embedding and lm_head contribute). With the same gradient and the same AdamW
+    state they stay bit-identical. Nothing to do with one stage (the weight is shared), an untied
+    config, or on the stages in between.
+    """
+
+    def __init__(self, model, pgm):
+        self.group, self.weight, self.counted = None, None, model
+        if not (model.config.tie_word_embeddings and pgm.pp_size > 1):
+            return
+        # The embedding group: the first and last stage of each pipeline, one per (dp_rank,
+        # tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates every
+        # group, in the same order, even those it is not part of.
+        for ranks in pgm.grid[:, [0, -1], :].transpose(1, 2).reshape(-1, 2).tolist():
+            group = dist.new_group(ranks)
+            if pgm.global_rank in ranks:
+                self.group, self.first_rank = group, ranks[0]
+        if pgm.pp_is_first_stage:
+            self.weight = model.model.embed_tokens.weight
+        elif pgm.pp_is_last_stage:
+            self.weight = model.lm_head.weight
+            # The gradient norm counts the weight once, on the first stage: here all but lm_head.
+            self.counted = model.model
+        if self.weight is not None:  # the copy starts as the first stage's weight
+            with torch.no_grad():
+                dist.broadcast(self.weight, src=self.first_rank, group=self.group)
+
+    def sum_gradients(self):
+        """Call after the data-parallel sync, before clipping: both copies get the sum."""
+        if self.weight is not None:
+            dist.all_reduce(self.weight.grad, group=self.group)
+
+
+### end Tied embeddings
 class PipelineParallel(nn.Module):
     """This stage's forward: token ids or the previous stage's activations in, activations or
     (last stage) logits out."""
@@ -105,32 +145,27 @@ def send_backward(grad, pgm):
         dist.send(grad.contiguous(), dst=pgm.pp_prev_rank)
 
 
-def exchange(tensor, shape, peer, device):
-    """Send `tensor` to `peer` and receive a tensor of `shape` from it, the two posted together:
-    the neighbour does the mirror image, and two blocking sends facing each other would wait
-    forever."""
-    received = torch.empty(shape, device=device)
-    ops = [
-        dist.P2POp(dist.isend, tensor.contiguous(), peer),
-        dist.P2POp(dist.irecv, received, peer),
-    ]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+class Recv:
+    """A receive posted now, filled in the background, waited for when its tensor is needed."""
+
+    def __init__(self, shape, peer, device):
+        self.tensor = torch.empty(shape, device=device)
+        self.work = dist.irecv(self.tensor, src=peer)
+
+    def wait(self):
+        self.work.wait()
+        return self.tensor
 
 
-def send_forward_recv_backward(y, shape, pgm, device):
-    """Send this micro-batch's output, receive the gradient of the oldest one held."""
-    if pgm.pp_is_last_stage:
-        return None
-    return exchange(y.detach().float(), shape, pgm.pp_next_rank, device)
+class Send:
+    """A send started now: the stage goes on computing while the tensor travels."""
 
+    def __init__(self, tensor, peer):
+        self.tensor = tensor.contiguous()  # kept alive until the send is done
+        self.work = dist.isend(self.tensor, dst=peer)
 
-def send_backward_recv_forward(grad, shape, pgm, device):
-    """Send an input's gradient back, receive the next micro-batch's input."""
-    if pgm.pp_is_first_stage:
-        return None
-    return exchange(grad, shape, pgm.pp_prev_rank, device).requires_grad_()
+    def wait(self):
+        self.work.wait()
 
 
 ### end Communication
@@ -193,56 +228,80 @@ def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
 
 
 def train_step_1f1b(model, micro_batches, loss_fn, shape, pgm, device, dtype, schedule):
-    """One forward, one backward. Returns the step's loss on the last stage (zero elsewhere)."""
-    m = len(micro_batches)
+    """One forward, one backward, the communication overlapped with the computation. Returns the
+    step's loss on the last stage (zero elsewhere)."""
+    m, first, last = len(micro_batches), pgm.pp_is_first_stage, pgm.pp_is_last_stage
     # Stage r runs pp_size - r - 1 forwards before its first backward: the micro-batches that
     # must be on their way for the last stage to start its first backward right after its first
     # forward. Never more than there are micro-batches.
     warmup = min(pgm.pp_size - pgm.pp_rank - 1, m)
     held, total, backwards = deque(), torch.zeros((), device=device), 0
+    # The next micro-batch's input is received in the background: its receive is posted before
+    # the current forward, so it arrives while this stage computes.
+    next_input = None if first else Recv(shape, pgm.pp_prev_rank, device)
+    # Sends do not block either: the stage computes while its output travels. The previous send
+    # each way is waited for before the next one starts (it is normally done by then), so at most
+    # one copy per direction is in flight, and all are done when the step returns.
+    # Two neighbours post the messages between them in the same order (NCCL carries them out in
+    # the order posted, and a receive facing a receive would wait forever): a gradient's receive
+    # is posted when the backward needs it, after the send of the forward before it.
+    sending = {"forward": None, "backward": None}
 
-    def forward(k, x):
+    def send(direction, tensor, peer):
+        if sending[direction] is not None:
+            sending[direction].wait()
+        sending[direction] = Send(tensor, peer)
+
+    def forward(k):
+        nonlocal next_input
         inputs, targets = micro_batches[k]
+        x = None
+        if not first:
+            x = next_input.wait().requires_grad_()
+            next_input = Recv(shape, pgm.pp_prev_rank, device) if k + 1 < m else None
         with (
             schedule.run("F", k),
             torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
         ):
-            y = model(inputs if pgm.pp_is_first_stage else x)
-            if pgm.pp_is_last_stage:
+            y = model(inputs if first else x)
+            if last:
                 y = loss_fn(y, targets) / m  # as in AFAB: the mean over the micro-batches
                 total.add_(y.detach())
+        if not last:
+            send("forward", y.detach().float(), pgm.pp_next_rank)  # activations travel in fp32
         held.append((k, x, y))
-        return y
 
-    def backward(grad):
+    def backward():
         nonlocal backwards
-        k, x, y = held.popleft()  # the oldest micro-batch: its gradient came back first
+        k, x, y = held.popleft()  # the oldest micro-batch: its gradient comes back first
+        grad = None if last else Recv(shape, pgm.pp_next_rank, device).wait()
         model.require_backward_grad_sync = backwards == m - 1  # dp sync on the last backward
         backwards += 1
         with schedule.run("B", k):
             torch.autograd.backward(y, grad_tensors=grad)
-        return None if pgm.pp_is_first_stage else x.grad
+        if not first:
+            send("backward", x.grad, pgm.pp_prev_rank)
 
     for k in range(warmup):  # warm-up: forwards only
-        send_forward(forward(k, recv_forward(shape, pgm, device)), pgm)
-    x = recv_forward(shape, pgm, device) if warmup < m else None
+        forward(k)
     for k in range(warmup, m):  # steady state: one forward, one backward
-        grad = send_forward_recv_backward(forward(k, x), shape, pgm, device)
-        input_grad = backward(grad)
-        if k == m - 1:
-            send_backward(input_grad, pgm)
-        else:
-            x = send_backward_recv_forward(input_grad, shape, pgm, device)
+        forward(k)
+        backward()
     for _ in range(warmup):  # cool-down: the backwards left
-        send_backward(backward(recv_backward(shape, pgm, device)), pgm)
+        backward()
+    for last_send in sending.values():
+        if last_send is not None:
+            last_send.wait()
     return total
 
 
-def clip_grad_norm(model, max_norm, pgm):
+def clip_grad_norm(model, max_norm, pgm, tied):
     """Clip by the whole model's gradient norm: each stage's squares (already summed over its
-    tensor-parallel group) are summed over the stages."""
-    params, squares = grad_squares(model, pgm.tp_group)
+    tensor-parallel group) are summed over the stages. A tied embedding counts once, as on one
+    device: the last stage's copy is left out of the squares, but clipped by the same factor."""
+    _, squares = grad_squares(tied.counted, pgm.tp_group)
     dist.all_reduce(squares, group=pgm.pp_group)
     total_norm = squares.sqrt()
+    params = [p for p in model.parameters() if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm

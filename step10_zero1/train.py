@@ -5,7 +5,6 @@ all-reduced, each rank updates its shard, and the parameters are all-gathered. S
     torchrun --nproc_per_node 4 step10_zero1/train.py --dp_size 4
 """
 
-import argparse
 import json
 import math
 import os
@@ -17,12 +16,20 @@ import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import (
+    check_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    local_parameters,
+    narrow,
+    save_checkpoint,
+)
 from dataloader import MicroBatchDataLoader, load_splits, load_tokenizer, tokenize
 from model import LlamaForCausalLM
 from pipeline_parallel import (
     PipelineParallel,
     Schedule,
+    TiedEmbeddings,
     check_pipeline_parallel,
     forward_step,
     keep_stage,
@@ -31,15 +38,23 @@ from pipeline_parallel import (
 )
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
-    ColumnParallelLinear,
     Gather,
-    RowParallelLinear,
-    VocabParallelEmbedding,
     apply_tensor_parallel,
     check_tensor_parallel,
     vocab_parallel_cross_entropy,
 )
-from utils import flops_per_token, log, peak_flops, resolve_device, resolve_dtype, set_seed
+from utils import (
+    ArgumentParser,
+    StopSignal,
+    check_output_path,
+    flops_per_token,
+    log,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+    run_main,
+    set_seed,
+)
 from zero import DataParallelZero1, optimizer_state_bytes
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -53,7 +68,7 @@ OVERRIDES = [
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name",
@@ -115,10 +130,39 @@ def parse_args(argv=None):
     ]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in OVERRIDES:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    for name in ["learning_rate", "grad_clip"]:
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    for name in ["weight_decay", "warmup_steps"]:
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.init_from_hf and any(getattr(args, name) is not None for name in OVERRIDES):
         parser.error("--init_from_hf takes the model's shape from its config.json: no overrides")
+    if args.init_from_hf:
+        folder = Path(args.init_from_hf)
+        if not folder.is_dir():
+            parser.error(f"--init_from_hf {folder}: no such folder")
+        if not (folder / "config.json").is_file():
+            parser.error(f"--init_from_hf {folder}: no config.json (save_pretrained writes one)")
+        if not list(folder.glob("*.safetensors")):
+            parser.error(
+                f"--init_from_hf {folder}: no *.safetensors weights (save_pretrained with "
+                f"safe_serialization=True writes them)"
+            )
+    for name in ["eval_every", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not args.bucket_size_mb > 0:
+        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
+    if args.save_dir:
+        check_output_path("--save_dir", args.save_dir, folder=True)
+    if args.log_file:
+        check_output_path("--log_file", args.log_file, folder=False)
     if args.max_tokens is not None:
         tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
         tokens_per_step *= args.dp_size
@@ -155,10 +199,15 @@ def load_config(args):
         name = str(ASSETS / "configs" / name)
     try:
         config = AutoConfig.from_pretrained(name)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
+        where = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model"
+        )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: no such local directory, and "
-            f"the Hugging Face hub could not be reached or has no such model. The offline default "
+            f"could not load the model config {args.model_name!r}: {where}. The offline default "
             f"is --model_name tiny; assets/configs holds the others.\n{error}"
         ) from error
     if config.model_type != "llama":
@@ -173,6 +222,12 @@ def load_config(args):
         raise ValueError(f"num_attention_heads={H} does not divide hidden_size={D}")
     if H % K:
         raise ValueError(f"num_key_value_heads={K} does not divide num_attention_heads={H}")
+    d = getattr(config, "head_dim", None) or D // H
+    if d % 2:
+        raise ValueError(
+            f"head_dim={d} (hidden_size / num_attention_heads = {D} / {H}) is odd: the rotary "
+            f"embedding turns pairs of dimensions, so it must be even"
+        )
     if args.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"seq_len={args.seq_len} exceeds "
@@ -191,7 +246,8 @@ def build_model(config, device, seed, pgm):
         apply_tensor_parallel(model, pgm.tp_group)
         keep_stage(model, pgm)  # this stage's layers only
     model.to_empty(device=device)
-    model.tie_weights()
+    if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
+        model.tie_weights()
     model.init_weights(seed)
     return model
 
@@ -226,32 +282,19 @@ def load_hf_weights(model, directory):
         raise ValueError(f"--init_from_hf {directory}: no *.safetensors files there")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {key: handle for handle in handles for key in handle.keys()}
-    done = set()
-    for prefix, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in done:  # tied embeddings: loaded once
-                continue
-            done.add(id(param))
-            key = f"{prefix}.{name}"
-            if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
-                key = "model.embed_tokens.weight"  # transformers omits the tied head
-            if key not in where:
-                raise ValueError(f"--init_from_hf {directory}: no tensor {key}")
-            full = where[key].get_slice(key)
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                start = module.tp_rank * param.shape[0]  # rows: output features, vocabulary
-                value = full[start : start + param.shape[0]]
-            elif isinstance(module, RowParallelLinear):
-                start = module.tp_rank * param.shape[1]  # columns: input features
-                value = full[:, start : start + param.shape[1]]
-            else:
-                value = full[:]  # replicated: the RMSNorm weights
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"--init_from_hf {directory}: {key} has shape {tuple(full.get_shape())}, "
-                    f"which does not give this rank's {tuple(param.shape)}"
-                )
-            param.copy_(value)
+    # Each parameter once (tied embeddings: once), with the rows or columns this rank holds.
+    for key, param, dim, start, shape in local_parameters(model):
+        if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
+            key = "model.embed_tokens.weight"  # transformers omits the tied head
+        if key not in where:
+            raise ValueError(f"--init_from_hf {directory}: no tensor {key}")
+        full = where[key].get_slice(key)
+        if full.get_shape() != shape:
+            raise ValueError(
+                f"--init_from_hf {directory}: {key} has shape {tuple(full.get_shape())}, "
+                f"this model's is {tuple(shape)}"
+            )
+        param.copy_(full[:] if dim is None else narrow(full, dim, start, param.shape[dim]))
 
 
 ### end Hugging Face import
@@ -284,9 +327,10 @@ def loss_fn(logits, targets, pgm):
     return vocab_parallel_cross_entropy(logits, targets, pgm.tp_group)
 
 
-def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape):
+def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape` is that of the activations passed between stages, (B, T, D)."""
+    `shape` is that of the activations passed between stages, (B, T, D); `tied`, the embedding's
+    copies on the first and last stage."""
     model.zero_grad(set_to_none=True)
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
     pipeline_step = train_step_1f1b if args.pp_engine == "1f1b" else train_step_afab
@@ -295,7 +339,9 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     if args.pp_timeline:
         report_schedule(schedule, len(micro_batches), args.pp_engine, pgm)
     model.finish_gradient_synchronization()
-    grad_norm = model.clip_grad_norm(args.grad_clip, pgm)
+    # The tied embedding's two copies, one gradient: after dp, before clipping
+    model.sum_tied_gradients(tied)
+    grad_norm = model.clip_grad_norm(args.grad_clip, pgm, tied)
     optimizer.step()  # this rank's shard only
     model.all_gather_parameters()
     scheduler.step()
@@ -392,21 +438,80 @@ class MetricsLog:
             self.wandb.finish()
 
 
-def resume(args, model, optimizer, scheduler, train_loader, device, pgm):
-    """With --resume, load save_dir's latest checkpoint; returns the step to continue after."""
+def checkpoint_to_resume(args, config):
+    """With --resume, save_dir's latest checkpoint and its index, checked against this model
+    before any weight exists; None to start from step 0."""
     path = latest_checkpoint(args.save_dir) if args.save_dir else None
     if not args.resume:
         if path:
             log(
                 f"warning: {args.save_dir} holds {path.name}; without --resume this run starts over"
             )
-        return 0
+        return None
     if path is None:
         log(f"--resume: no checkpoint in {args.save_dir} yet, starting from step 0")
+        return None
+    index = check_checkpoint(path, config)
+    try:  # build_model checks the same, but here the message can say what would work
+        check_tensor_parallel(config, args.tp_size)
+        check_pipeline_parallel(config, args.pp_size)
+    except ValueError as error:
+        tp_sizes = [t for t in range(1, config.num_attention_heads + 1) if valid_tp(config, t)]
+        raise ValueError(
+            f"cannot resume {path} at tp {args.tp_size} x pp {args.pp_size}: {error}. This "
+            f"model takes tp_size in {tp_sizes} and pp_size up to {config.num_hidden_layers}"
+        ) from error
+    return path, index
+
+
+def valid_tp(config, tp_size):
+    try:
+        check_tensor_parallel(config, tp_size)
+    except ValueError:
+        return False
+    return True
+
+
+def resume(checkpoint, args, model, zero, optimizer, scheduler, train_loader, pgm):
+    """Load the checkpoint into this layout, whatever layout saved it; returns its step."""
+    if checkpoint is None:
         return 0
-    step = load_checkpoint(path, model, optimizer, scheduler, train_loader, device, pgm)
-    log(f"resumed from {path} at step {step}")
+    path, index = checkpoint
+    step, saved = load_checkpoint(path, index, model, optimizer, scheduler, train_loader, zero)
+    layouts = [
+        " x ".join(f"{axis} {sizes[f'{axis}_size']}" for axis in ["tp", "pp", "dp"])
+        for sizes in [index["layout"], vars(pgm)]
+    ]
+    log(f"resumed from {path} at step {step}: saved at {layouts[0]}, running at {layouts[1]}")
+    batch = global_batch(args, pgm)
+    if rows_per_step(batch) != rows_per_step(saved) or batch["seq_len"] != saved["seq_len"]:
+        # The data position counts rows, so the run goes on from there with other batches.
+        sizes = [
+            f"{rows_per_step(b)} rows "
+            f"({b['micro_batch_size']} x {b['gradient_accumulation_steps']} x {b['dp_size']}) "
+            f"of {b['seq_len']} tokens"
+            for b in [saved, batch]
+        ]
+        log(
+            f"the global batch (micro_batch_size x gradient_accumulation_steps x dp_size) "
+            f"changes from {sizes[0]} to {sizes[1]}; training goes on from row "
+            f"{train_loader.position:,} of the data"
+        )
     return step
+
+
+def rows_per_step(batch):
+    return batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["dp_size"]
+
+
+def global_batch(args, pgm):
+    """The sizes that make one step's batch, saved with every checkpoint."""
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "dp_size": pgm.dp_size,
+        "seq_len": args.seq_len,
+    }
 
 
 def main(argv=None):
@@ -416,14 +521,17 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     set_seed(args.seed)
     config = load_config(args)
+    checkpoint = checkpoint_to_resume(args, config)
     model = build_model(config, device, args.seed, pgm)
     if args.init_from_hf:
         load_hf_weights(model, args.init_from_hf)
         log(f"weights from {args.init_from_hf}")
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
+    tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
     step_fn = torch.compile(stage) if args.compile else stage
-    # The wrapper averages gradients over dp; checkpoints save the model itself.
-    step_fn = DataParallelZero1(step_fn, pgm.dp_group, args.bucket_size_mb)
+    # The wrapper averages gradients over dp and shards the optimizer over it; checkpoints save
+    # the model itself, and the optimizer state through the wrapper.
+    step_fn = DataParallelZero1(step_fn, pgm.dp_group, args.bucket_size_mb, tied.weight)
     optimizer, scheduler = build_optimizer(model, args, device, step_fn.shard)
     num_params = sum(p.numel() for p in model.parameters())
     log(
@@ -431,17 +539,18 @@ def main(argv=None):
     )
 
     tokenizer, train_loader, val_loader = build_data(args, config, device, pgm)
-    start_step = resume(args, model, optimizer, scheduler, train_loader, device, pgm)
+    start_step = resume(checkpoint, args, model, step_fn, optimizer, scheduler, train_loader, pgm)
     metrics = MetricsLog(args, append=start_step > 0)
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
+    stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_step(
-            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape
+            step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
@@ -471,12 +580,20 @@ def main(argv=None):
                 all_ranks=True,
             )
         metrics.write(record)
-        if args.save_dir and (step % args.save_every == 0 or last):
+        stopped = stop_signal.requested(device)
+        if args.save_dir and (step % args.save_every == 0 or last or stopped):
+            batch = global_batch(args, pgm)
             path = save_checkpoint(
-                args.save_dir, step, model, optimizer, scheduler, train_loader, pgm
+                args.save_dir, step, model, optimizer, scheduler, train_loader, pgm, batch, step_fn
             )
             log(f"saved {path}")
+        if stopped:
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
+            break
     metrics.close()
+    if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
+        dist.destroy_process_group()
+        return
     text = sample(
         stage,
         tokenizer,
@@ -492,4 +609,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

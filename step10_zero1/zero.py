@@ -18,6 +18,15 @@ sharded the same way, 4 more bytes per parameter.
 The optimizer is PyTorch's AdamW, given views: for each parameter, the run of its elements that
 falls in this rank's shard, with the matching run of the gradient buffer as its `.grad`. Its math
 is elementwise, so updating pieces gives exactly the update of the whole parameter.
+
+A tied embedding under pipeline parallelism (step 7) has a copy on the first and on the last stage,
+whose gradients are summed. Each copy gets a bucket of its own, so both are cut at the same places
+and dp rank r of one stage holds the same elements as dp rank r of the other: summing the two
+shards over the embedding group sums the gradient.
+
+Checkpoints keep step 9's format: at save time each moment is put together whole from its shards
+through the same buffers (an all-gather, like the parameters), and at load time each rank takes
+its piece of it, so a run resumes in any layout, dp_size and bucket size.
 """
 
 import torch
@@ -26,6 +35,8 @@ from torch import nn
 
 from data_parallel import Bucket, DataParallelBucket
 from tensor_parallel import is_sharded
+
+MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
 
 
 class ShardedBucket(Bucket):
@@ -80,10 +91,12 @@ class ShardedBucket(Bucket):
 class ShardedBucketManager:
     """Step 6's buckets, in the same order (that of backward), each split over the dp ranks."""
 
-    def __init__(self, params, dp_group, bucket_size):
+    def __init__(self, params, dp_group, bucket_size, alone=None):
+        """`alone`: a parameter given a bucket of its own (the tied embedding's copy)."""
         groups, size = [[]], 0
         for param in reversed(params):
-            if groups[-1] and size + param.numel() * 4 > bucket_size:  # 4 bytes: fp32 gradients
+            full = size + param.numel() * 4 > bucket_size  # 4 bytes: fp32 gradients
+            if groups[-1] and (full or param is alone or groups[-1][-1] is alone):
                 groups, size = [*groups, []], 0
             groups[-1].append(param)
             size += param.numel() * 4
@@ -105,14 +118,17 @@ class ShardedBucketManager:
 class DataParallelZero1(DataParallelBucket):
     """Data parallelism with the optimizer sharded: step 6's buckets reduce-scattered during
     backward; the optimizer holds only this rank's shard (`shard`), clipped by the whole model's
-    norm (`clip_grad_norm`); `all_gather_parameters` after the update."""
+    norm (`clip_grad_norm`); `all_gather_parameters` after the update. `tied_weight`: this
+    stage's copy of a tied embedding split between stages, or None."""
 
-    def __init__(self, module, dp_group, bucket_size_mb=25):
+    def __init__(self, module, dp_group, bucket_size_mb=25, tied_weight=None):
         nn.Module.__init__(self)  # DataParallelBucket's own buckets would all-reduce
         self.module, self.dp_group = module, dp_group
         self.require_backward_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]
-        self.bucket_manager = ShardedBucketManager(params, dp_group, int(bucket_size_mb * 2**20))
+        bucket_size = int(bucket_size_mb * 2**20)
+        self.bucket_manager = ShardedBucketManager(params, dp_group, bucket_size, tied_weight)
+        self.pieces = {}  # param: (the optimizer's view of its run in this rank's shard, first)
         self.launched_in_backward = 0
         for param in params:
             param.register_post_accumulate_grad_hook(self._accumulate_grad)
@@ -137,17 +153,30 @@ class DataParallelZero1(DataParallelBucket):
                     piece = param.detach().view(-1)[first : first + hi - lo]
                     piece.grad = bucket.grad_data[lo:hi]
                     pieces.append(piece)
+                    self.pieces[param] = (piece, first)
         return pieces
 
-    def clip_grad_norm(self, max_norm, pgm):
+    def sum_tied_gradients(self, tied):
+        """Step 9's TiedEmbeddings.sum_gradients on shards: the copy's bucket holds it alone, on
+        both stages the same size, so this rank's shard sums with the same shard of the other."""
+        if tied.weight is None:
+            return
+        bucket = self.bucket_manager.buckets[self.bucket_manager.bucket_of[tied.weight]]
+        assert [param for param, _ in bucket.offsets] == [tied.weight]
+        dist.all_reduce(bucket.grad_shard, group=tied.group)
+
+    def clip_grad_norm(self, max_norm, pgm, tied):
         """Clip by the whole model's gradient norm, though each rank holds only its shard of the
         gradient: the shards' squares summed over dp give this (pp, tp) rank's, then as in step 9
         tensor-parallel slices are summed over tp (replicated weights counted once) and the
-        stages over pp."""
+        stages over pp; a tied embedding's last-stage copy is left out (counted once)."""
         buckets = self.bucket_manager.buckets
+        counted = {id(param) for param in tied.counted.parameters()}
         squares = torch.zeros(2, device=buckets[0].grad_data.device)  # tp-sharded, replicated
         for bucket in buckets:
             for param, _, lo, hi in bucket.in_shard():
+                if id(param) not in counted:
+                    continue
                 kind = 0 if id(param) in self.tp_sharded else 1
                 squares[kind] += bucket.grad_data[lo:hi].pow(2).sum()
         dist.all_reduce(squares, group=pgm.dp_group)
@@ -170,12 +199,44 @@ class DataParallelZero1(DataParallelBucket):
             handle.wait()
             bucket.copy_parameters_out()
 
+    @torch.no_grad()
+    def gather_optimizer_state(self, optimizer):
+        """For a checkpoint, on every dp rank: {parameter: its whole AdamW state}. Each moment is
+        put together from the shards through a buffer laid out like the bucket's, as the
+        parameters are. Holds every moment whole for the time of the save."""
+        states = list(optimizer.state.values())
+        assert states, "AdamW has no state before its first step"
+        whole = {}
+        for bucket in self.bucket_manager.buckets:
+            for moment in MOMENTS:
+                flat = torch.zeros_like(bucket.grad_data)
+                for param, _, lo, hi in bucket.in_shard():
+                    flat[lo:hi] = optimizer.state[self.pieces[param][0]][moment]
+                shard = flat[bucket.start : bucket.end].clone()
+                dist.all_gather_into_tensor(flat, shard, group=self.dp_group)
+                for param, offset in bucket.offsets:
+                    state = whole.setdefault(param, {"step": states[0]["step"].clone()})
+                    state[moment] = flat[offset : offset + param.numel()].view_as(param).clone()
+        return whole
+
+    @torch.no_grad()
+    def load_optimizer_state(self, optimizer, whole):
+        """The other way: from {parameter: its whole AdamW state}, this rank's pieces of it."""
+        state = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        position = {id(p): i for i, p in enumerate(params)}  # how state_dict() numbers them
+        for param, (piece, first) in self.pieces.items():
+            run = slice(first, first + piece.numel())
+            moments = {m: whole[param][m].reshape(-1)[run].clone() for m in MOMENTS}
+            state["state"][position[id(piece)]] = {"step": whole[param]["step"], **moments}
+        optimizer.load_state_dict(state)  # moves each tensor to its piece's device
+
 
 def optimizer_state_bytes(optimizer):
     """The bytes of this rank's AdamW moments (exp_avg and exp_avg_sq)."""
     return sum(
         state[key].numel() * state[key].element_size()
         for state in optimizer.state.values()
-        for key in ("exp_avg", "exp_avg_sq")
+        for key in MOMENTS
         if key in state
     )
