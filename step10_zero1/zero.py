@@ -213,7 +213,7 @@ class DataParallelZero1(DataParallelBucket):
                 for param, _, lo, hi in bucket.in_shard():
                     flat[lo:hi] = optimizer.state[self.pieces[param][0]][moment]
                 shard = flat[bucket.start : bucket.end].clone()
-                dist.all_gather_into_tensor(flat, shard, group=self.dp_group)
+                dist.all_gather_single(flat, shard, self.dp_group)
                 for param, offset in bucket.offsets:
                     state = whole.setdefault(param, {"step": states[0]["step"].clone()})
                     state[moment] = flat[offset : offset + param.numel()].view_as(param).clone()
