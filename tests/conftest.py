@@ -25,6 +25,7 @@ STEP_MODULES = [
     "tensor_parallel",
     "data_parallel",
     "pipeline_parallel",
+    "zero",
     "train",
 ]
 # A model small enough for a 2-core machine; the vocabulary comes from assets/configs/tiny.

@@ -37,6 +37,7 @@ STEP_CHANGES = {
     },
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
     "step9_3d_parallel": {"checkpoint.py", "train.py", "README.md"},
+    "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
 }
 
 # Tool runs in temporary repositories must not depend on the user's git configuration.
@@ -276,6 +277,25 @@ def test_carry_forward_new_and_deleted_files_need_a_flag(three_steps: Path):
     result = run_tool("carry_forward.py", three_steps, "--step", "2", "--delete")
     assert result.returncode == 1 and "step3_c/train.py" in result.stderr
     assert (three_steps / "step3_c/train.py").exists()
+
+
+def test_steps_past_nine_are_ordered_by_number(tmp_path: Path):
+    """step10 comes after step9 (not after step1, as in alphabetical order): patches and carries
+    go 9 -> 10 -> 11."""
+    files = {f"step{n}_s{n}/train.py": TRAIN for n in (1, 2, 9, 10, 11)}
+    repo = make_repo(tmp_path / "repo", files)
+    assert [step_number(step) for step in step_folders(repo)] == [1, 2, 9, 10, 11]
+    write(repo, {"step9_s9/train.py": TRAIN.replace("line 2\n", "line 2 fixed\n")})
+    result = run_tool("carry_forward.py", repo, "--step", "9")
+    assert result.returncode == 0, result.stderr
+    for n in (10, 11):
+        assert "line 2 fixed" in (repo / f"step{n}_s{n}/train.py").read_text()
+    assert "line 2 fixed" not in (repo / "step2_s2/train.py").read_text()
+    assert run_tool("make_patches.py", repo).returncode == 0
+    patches = sorted(p.name for p in (repo / "patches").iterdir())
+    assert patches == [f"step{n}_s{n}.patch" for n in (10, 11, 2, 9)]  # sorted as names here
+    header = (repo / "patches" / "step10_s10.patch").read_text().splitlines()[0]
+    assert header.startswith("Changes from step9_s9 to step10_s10")
 
 
 # ---- the real repository ----------------------------------------------------------------------

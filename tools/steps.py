@@ -1,9 +1,10 @@
 """Find the step folders of the course and the files that belong to each step.
 
-A step folder sits at the repository root and is named `step<digit>_<topic>`. A file belongs to a
-step when git tracks it or would track it: untracked files count as soon as they exist (so a new
-file is part of the step before it is committed), ignored files never do, and neither does
-anything in `__pycache__` or ending in `.pyc`, even if it was committed by mistake.
+A step folder sits at the repository root and is named `step<number>_<topic>`; the steps are
+ordered by their number (step10 comes after step9). A file belongs to a step when git tracks it
+or would track it: untracked files count as soon as they exist (so a new file is part of the step
+before it is committed), ignored files never do, and neither does anything in `__pycache__` or
+ending in `.pyc`, even if it was committed by mistake.
 """
 
 import os
@@ -12,7 +13,7 @@ import subprocess
 from itertools import pairwise
 from pathlib import Path
 
-STEP_NAME = re.compile(r"step(\d)_[A-Za-z0-9_]+")
+STEP_NAME = re.compile(r"step(\d+)_[A-Za-z0-9_]+")
 
 
 def git(root: Path, *args: str) -> bytes:
@@ -31,7 +32,7 @@ def step_number(folder: Path) -> int:
 
 
 def step_folders(root: Path) -> list[Path]:
-    """The step folders at the root, ordered by their digit."""
+    """The step folders at the root, ordered by their number (as numbers: 9 before 10)."""
     folders = [p for p in root.iterdir() if p.is_dir() and STEP_NAME.fullmatch(p.name)]
     folders.sort(key=step_number)
     for earlier, later in pairwise(folders):
