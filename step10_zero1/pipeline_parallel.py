@@ -179,24 +179,50 @@ def forward_step(model, inputs, shape, pgm, device):
 
 class Schedule:
     """What a stage did during one step: the order of its forwards and backwards (the timeline,
-    F1 F2 B1 ...), the peak number of micro-batches whose activations it held at once, and the
-    time it spent computing, the rest of the step being the bubble (waiting)."""
+    F1 F2 B1 ...), the peak number of micro-batches whose activations it held at once, and when
+    each ran, the rest of the step being the bubble (sending, receiving and waiting)."""
 
     def __init__(self):
         self.timeline, self.in_flight, self.peak_in_flight = [], 0, 0
-        self.busy, self.start = 0.0, time.perf_counter()
+        # (kind, micro-batch, start, end) in nanoseconds of the wall clock, which every rank of a
+        # machine shares, so that the stages' spans line up in one picture.
+        self.spans, self.start = [], time.time_ns()
 
     @contextmanager
     def run(self, kind, k):
-        start = time.perf_counter()
+        start = time.time_ns()
         yield
-        self.busy += time.perf_counter() - start
+        self.spans.append((kind, k, start, time.time_ns()))
         self.timeline.append(f"{kind}{k + 1}")
         self.in_flight += 1 if kind == "F" else -1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def bubble(self):
-        return 1.0 - self.busy / (time.perf_counter() - self.start)
+        busy = sum(end - start for _, _, start, end in self.spans)
+        return 1.0 - busy / (time.time_ns() - self.start)
+
+    def trace_events(self, stage, end):
+        """This stage's step as Chrome trace events (microseconds, one track per stage): a span
+        per forward and backward, and one per gap between them, where the stage sent, received
+        or waited for a neighbour."""
+        events, previous = [], self.start
+        for kind, k, start, stop in [*self.spans, ("wait", None, end, end)]:
+            if start > previous:
+                events.append(span("send/recv/wait", "wait", previous, start, stage))
+            if kind != "wait":
+                name, category = f"{kind}{k + 1}", "forward" if kind == "F" else "backward"
+                events.append(span(name, category, start, stop, stage, micro_batch=k + 1))
+            previous = stop
+        return events
+
+
+def span(name, category, start, end, stage, **args):
+    """A complete ("X") event of the Chrome trace format: nanoseconds in, whole microseconds
+    out, so that spans that touch still touch."""
+    start, end = start // 1000, end // 1000
+    return dict(
+        name=name, cat=category, ph="X", ts=start, dur=end - start, pid=0, tid=stage, args=args
+    )
 
 
 def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype, schedule):

@@ -103,7 +103,7 @@ class VocabParallelEmbedding(nn.Module):
     """The embedding table split by rows (token ids): each rank looks up the ids it holds, writes
     zeros for the others, and an all-reduce assembles the full embeddings."""
 
-    def __init__(self, num_embeddings, embedding_dim, group):
+    def __init__(self, num_embeddings, embedding_dim, group, padding_idx=None):
         super().__init__()
         self.group, self.tp_rank = group, dist.get_rank(group)
         self.tp_size = dist.get_world_size(group)
@@ -111,6 +111,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_per_partition = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.vocab_per_partition
         self.weight = nn.Parameter(torch.empty(self.vocab_per_partition, embedding_dim))
+        # The pad token's row (nn.Embedding's padding_idx) gets no gradient, on the rank holding it.
+        local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
+        self.padding_idx = local_pad if 0 <= local_pad < self.vocab_per_partition else None
 
     def init_parameter(self, name, make_full):
         full = make_full((self.num_embeddings, self.embedding_dim))
@@ -119,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids):
         local = input_ids - self.vocab_start  # (B, T)
         elsewhere = (local < 0) | (local >= self.vocab_per_partition)
-        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # (B, T, D)
+        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)  # (B, T, D)
         return Reduce.apply(x.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
 
 
@@ -188,7 +191,7 @@ def apply_tensor_parallel(model, group):
             parallel = parallel_class(dense.in_features, dense.out_features, group)
             setattr(parent, child_name, parallel)
     embed = model.model.embed_tokens
-    model.model.embed_tokens = VocabParallelEmbedding(*embed.weight.shape, group)
+    model.model.embed_tokens = VocabParallelEmbedding(*embed.weight.shape, group, embed.padding_idx)
     # lm_head is column parallel: each rank computes the logits of its slice of the vocabulary.
     model.lm_head = ColumnParallelLinear(
         model.lm_head.in_features, model.lm_head.out_features, group

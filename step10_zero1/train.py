@@ -54,6 +54,7 @@ from utils import (
     resolve_dtype,
     run_main,
     set_seed,
+    throughput,
 )
 from zero import DataParallelZero1, optimizer_state_bytes
 
@@ -99,7 +100,14 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
     parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket size")
-    parallel.add_argument("--pp_timeline", action="store_true", help="print each stage's schedule")
+    parallel.add_argument(
+        "--pp_timeline",
+        nargs="?",
+        const="",
+        metavar="TRACE_JSON",
+        help="print each stage's schedule; write the step's timeline as a Chrome trace to "
+        "TRACE_JSON (the flag alone: to save_dir/pp_timeline.json when --save_dir is given)",
+    )
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default="tinytales", help="assets/datasets/NAME or hub id")
     data.add_argument("--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME or hub")
@@ -116,6 +124,7 @@ def parse_args(argv=None):
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
+    run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
     run.add_argument("--init_from_hf", help="start from a transformers Llama folder (safetensors)")
     args = parser.parse_args(argv)
     for name in [
@@ -157,6 +166,10 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if not args.bucket_size_mb > 0:
         parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
+    if args.pp_timeline == "" and args.save_dir:
+        args.pp_timeline = str(Path(args.save_dir) / "pp_timeline.json")
+    if args.profile and args.max_steps < 3:
+        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     if args.save_dir:
@@ -273,6 +286,21 @@ def build_optimizer(model, args, device, shard):
 
 
 ### begin Hugging Face import
+def refuse_unused_tensors(config, keys, directory):
+    """A checkpoint tensor that no parameter of the whole model (every stage) takes, such as a
+    bias, would be dropped without a word: the run would train another model than the one saved."""
+    with torch.device("meta"):
+        expected = set(LlamaForCausalLM(config).state_dict())  # a tied lm_head is optional
+    # Older conversions saved RoPE's frequencies, which the model computes from the config.
+    unused = sorted(k for k in set(keys) - expected if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ValueError(
+            f"--init_from_hf {directory}: the model has no parameter for the checkpoint's "
+            f"{', '.join(unused[:5])}{more}; was it saved from the model its config.json describes?"
+        )
+
+
 @torch.no_grad()
 def load_hf_weights(model, directory):
     """Fill this rank's parameters from a transformers checkpoint, reading from the safetensors
@@ -282,6 +310,7 @@ def load_hf_weights(model, directory):
         raise ValueError(f"--init_from_hf {directory}: no *.safetensors files there")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {key: handle for handle in handles for key in handle.keys()}
+    refuse_unused_tensors(model.config, where, directory)
     # Each parameter once (tied embeddings: once), with the rows or columns this rank holds.
     for key, param, dim, start, shape in local_parameters(model):
         if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
@@ -336,8 +365,8 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     pipeline_step = train_step_1f1b if args.pp_engine == "1f1b" else train_step_afab
     schedule = Schedule()
     total = pipeline_step(model, micro_batches, stage_loss, shape, pgm, device, dtype, schedule)
-    if args.pp_timeline:
-        report_schedule(schedule, len(micro_batches), args.pp_engine, pgm)
+    if args.pp_timeline is not None:
+        report_schedule(schedule, len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
     model.finish_gradient_synchronization()
     # The tied embedding's two copies, one gradient: after dp, before clipping
     model.sum_tied_gradients(tied)
@@ -352,10 +381,12 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     return total.item() / pgm.dp_size, grad_norm.item()
 
 
-def report_schedule(schedule, m, engine, pgm):
+def report_schedule(schedule, m, engine, pgm, trace_path=""):
     """Each stage's timeline, its peak of held micro-batches and its idle fraction, beside the
-    textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both idle (p - 1) / (m + p - 1)."""
-    p, r = pgm.pp_size, pgm.pp_rank
+    textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both idle (p - 1) / (m + p - 1).
+    With a trace path, rank 0 also writes its pipeline's step as a Chrome trace, one track per
+    stage (chrome://tracing and ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
+    end, p, r = time.time_ns(), pgm.pp_size, pgm.pp_rank
     expected_peak = m if engine == "afab" else min(p - r, m)
     log(
         f"pp stage {r} {engine}: {' '.join(schedule.timeline)} | held at most "
@@ -363,6 +394,30 @@ def report_schedule(schedule, m, engine, pgm):
         f"{schedule.bubble():.2f} (textbook {(p - 1) / (m + p - 1):.2f})",
         all_ranks=True,
     )
+    if trace_path:
+        stages = [None] * p
+        dist.all_gather_object(stages, schedule.trace_events(r, end), group=pgm.pp_group)
+        if dist.get_rank() == 0:
+            write_trace(trace_path, stages, {"engine": engine, "pp_size": p, "micro_batches": m})
+            log(f"pp timeline of this step: {trace_path}")
+
+
+def write_trace(path, stages, info):
+    """The stages' events as one Chrome trace: a named track per stage, in order, from time 0."""
+    events = [event for stage in stages for event in stage]
+    origin = min(event["ts"] for event in events)
+    for event in events:
+        event["ts"] -= origin
+    for s in range(len(stages)):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
+        )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as file:
+        json.dump({"traceEvents": events, "otherData": info}, file)
 
 
 @torch.no_grad()
@@ -436,6 +491,27 @@ class MetricsLog:
             self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def start_profiler(folder, device):
+    """With --profile DIR: torch.profiler skips step 1 (first-call overheads), warms up on step 2,
+    records steps 3 to 5 and writes one Chrome trace per rank into DIR (chrome://tracing,
+    ui.perfetto.dev or TensorBoard open it). None without the flag."""
+    if not folder:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            folder, worker_name=f"rank{dist.get_rank()}"
+        ),
+        record_shapes=True,
+    )
+    profiler.start()
+    return profiler
 
 
 def checkpoint_to_resume(args, config):
@@ -546,6 +622,7 @@ def main(argv=None):
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
     stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
+    profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
@@ -553,6 +630,8 @@ def main(argv=None):
             step_fn, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied
         )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
+        if profiler:
+            profiler.step()
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record.update(tokens=step * tokens_per_step, tokens_per_second=tokens_per_second)
         last = step == args.max_steps
@@ -563,14 +642,11 @@ def main(argv=None):
             log(f"step {step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
         if step % args.log_every == 0 or last:
             # Per device: all world_size devices share the work of the step's tokens.
-            mfu = (
-                f"{100 * flops * tokens_per_second / (peak * pgm.world_size):.1f}%"
-                if peak
-                else "n/a"
-            )
+            achieved = flops * tokens_per_second / pgm.world_size
             log(
                 f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e}"
-                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s | mfu {mfu}"
+                f" | grad_norm {grad_norm:.3f} | {tokens_per_second:,.0f} tok/s"
+                f" | {throughput(achieved, peak)}"
             )
         if step == start_step + 1:  # AdamW creates its moments at the first step
             record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
@@ -591,6 +667,9 @@ def main(argv=None):
             log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
             break
     metrics.close()
+    if profiler:
+        profiler.stop()  # a run shorter than the schedule writes what it recorded
+        log(f"profile: one trace per rank in {args.profile}")
     if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
         dist.destroy_process_group()
         return

@@ -54,7 +54,7 @@ def run_main(main):
     try:
         main()
     except ValueError as error:
-        if Path(traceback.extract_tb(error.__traceback__)[-1].filename).parent != HERE:
+        if Path(traceback.extract_tb(error.__traceback__)[-1].filename).resolve().parent != HERE:
             raise
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
         if int(os.environ.get("RANK", 0)) != 0:
@@ -165,6 +165,14 @@ def flops_per_token(config, seq_len):
     per_layer = D * H * d * 2 + D * K * d * 2 + 3 * D * F  # q, o, k, v and the MLP
     n = L * per_layer + D * config.vocab_size  # + lm_head
     return 6 * n + 12 * L * H * d * seq_len
+
+
+def throughput(flops_per_second, peak):
+    """One device's achieved FLOP/s, and its MFU (the fraction of its peak) when the peak is known:
+    from the table above on a known GPU, or from --peak_tflops."""
+    unit, scale = ("TFLOP/s", 1e12) if flops_per_second >= 1e12 else ("GFLOP/s", 1e9)
+    text = f"{flops_per_second / scale:,.1f} {unit}"
+    return f"{text} | mfu {100 * flops_per_second / peak:.1f}%" if peak else text
 
 
 def peak_flops(device, peak_tflops=None):
