@@ -11,6 +11,7 @@ contributes its convergence commands; its other examples name placeholder checkp
 The commands of one README share a working folder, in order: a command that reads a checkpoint
 finds the one an earlier `--save_dir` command of the same README wrote there."""
 
+import contextlib
 import os
 import re
 import shlex
@@ -228,19 +229,24 @@ def workdirs(tmp_path_factory):
     return {"dirs": {}, "done": {}, "factory": tmp_path_factory}
 
 
+def workdir(command, workdirs):
+    readme = command.readme
+    if readme not in workdirs["dirs"]:
+        workdirs["dirs"][readme] = workdirs["factory"].mktemp(readme.replace("/", "_"))
+    return workdirs["dirs"][readme]
+
+
 def run(command, workdirs):
     # The same command in several READMEs runs once, unless it works with files.
     key = " ".join(command.tokens) if not command.writes else f"{command.readme}:{command.line}"
     if key in workdirs["done"]:
         return workdirs["done"][key]
-    args = parse(command)
-    readme = command.readme
-    if readme not in workdirs["dirs"]:
-        workdirs["dirs"][readme] = workdirs["factory"].mktemp(readme.replace("/", "_"))
+    with contextlib.chdir(workdir(command, workdirs)):  # paths it reads are the folder's
+        args = parse(command)
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         argv(command, args),
-        cwd=workdirs["dirs"][readme],
+        cwd=workdir(command, workdirs),
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -252,14 +258,15 @@ def run(command, workdirs):
 
 @pytest.mark.parametrize("command", PARAMS)
 def test_command(command, workdirs):
-    parse(command)
     if not command.runs:
+        parse(command)
         return
     # What a command reads (a checkpoint, an export) was written by earlier commands of its README.
     for earlier in COMMANDS:
         if earlier.readme == command.readme and earlier.line < command.line and earlier.runs:
             if earlier.writes:
-                run(earlier, workdirs)
+                before = run(earlier, workdirs)
+                assert before.returncode == 0, f"{command}\nneeds {earlier}, which failed"
     result = run(command, workdirs)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{output[-4000:]}"
