@@ -47,12 +47,26 @@ def import_step(step, name):
         sys.path.remove(str(ROOT / step))
 
 
-def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True):
-    """Run step/train.py (under torchrun with `nproc` processes); returns the CompletedProcess."""
+# What torchrun does for one node, with the libraries imported once and the ranks forked
+# (tests/launch.py): a third of the CPU time of a short run. The tests of torchrun's own
+# behaviour (its restarts, its report of a failure, two launchers) use torchrun itself.
+LAUNCH = [sys.executable, str(ROOT / "tests" / "launch.py")]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convergence  # noqa: E402
+
+convergence.TORCHRUN = LAUNCH  # the layouts of the convergence tests start the same way
+
+
+def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=True):
+    """Run step/train.py with `nproc` processes, as torchrun starts them (`fork`: through
+    tests/launch.py; otherwise torchrun itself; `torchrun=False`: plain python); returns the
+    CompletedProcess."""
     script = str(ROOT / step / "train.py")
     if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command = [*launcher, f"--nproc_per_node={nproc}", script, *args]
+        command = [*(LAUNCH if fork else TORCHRUN), f"--nproc_per_node={nproc}", script, *args]
     else:
         command = [sys.executable, script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
@@ -91,8 +105,9 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
     2-core machine) is tried once more."""
     for attempt in range(tries):
         store = str(tmp_path / f"store-{time.monotonic_ns()}")
-        context = mp.spawn(
-            _init_and_run, args=(step, world, store, fn, args), nprocs=world, join=False
+        # Forked: the children start with torch imported (spawned, each would import it again).
+        context = mp.start_processes(
+            _init_and_run, (step, world, store, fn, args), world, join=False, start_method="fork"
         )
         deadline = time.monotonic() + timeout
         try:
@@ -109,6 +124,8 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
 
 
 def _init_and_run(rank, step, world, store_path, fn, args):
+    for module in STEP_MODULES:  # what fn imports comes from `step`, not the parent's last step
+        sys.modules.pop(module, None)
     sys.path.insert(0, str(ROOT / step))
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)

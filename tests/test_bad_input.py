@@ -221,7 +221,7 @@ def test_torchrun_prints_once_and_stops_every_rank(step, args, message, files):
     args = args.replace("{tmp}", str(files)).split()
     args = [*ARGS, "--dataset_name", str(files / "stories"), *args]
     start = time.monotonic()
-    result = run_step(step, args, nproc=2, timeout=120)
+    result = run_step(step, args, nproc=2, timeout=120, fork=False)  # torchrun's report too
     elapsed = time.monotonic() - start
     ours, report = launcher_output(result)
     errors = [line for line in ours.splitlines() if line.startswith("error: ")]

@@ -2,7 +2,8 @@
 `python tools/...` command in the code blocks of README.md and the step READMEs, and in the step
 table, is checked: the script exists, its flags parse with the step's own parser, and the process
 count equals tp_size x pp_size x dp_size. Then it runs for two steps with the process count and
-every flag as written, only the model shrunk to test size (TINY, with enough layers and heads
+every flag as written (its ranks started as torchrun starts them on one node, by tests/launch.py),
+only the model shrunk to test size (TINY, with enough layers and heads
 for the pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a
 comment as needing a GPU, the network or two nodes is checked but not run; so are the
 convergence harness's commands (tests/test_convergence.py runs the harness). tools/README.md
@@ -20,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from conftest import ROOT, TINY, import_step
+from conftest import LAUNCH, ROOT, TINY, import_step
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -215,8 +216,8 @@ def argv(command, args):
     script = str(ROOT / command.script)
     if command.tokens[0] == "torchrun":
         launcher = [f"--{key}={value}" for key, value in command.launcher.items()]
-        # A rendezvous of its own, so that concurrent runs do not meet on port 29500.
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher]
+        # torchrun's start on one node, the ranks forked from one import of the libraries.
+        head = [*LAUNCH, *launcher]
     else:
         head = [sys.executable]
     extra = overrides(command, args) if command.trains else []

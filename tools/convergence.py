@@ -150,6 +150,10 @@ def tied_config(model_name, directory):
     return Path(directory)
 
 
+# How a layout's processes start (the tests start them with tests/launch.py, which forks them).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
 def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
     """Train `layout` with `common_args` under torchrun; returns its log, one dict per step. A
     `launcher` (from `inject`) runs in place of the step's train.py. The console output goes to
@@ -160,8 +164,7 @@ def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
     log_file.unlink(missing_ok=True)
     step = ROOT / layout.step
     script = [str(launcher), str(step)] if launcher else [str(step / "train.py")]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command = [*torchrun, f"--nproc_per_node={layout.nproc}", *script, *common_args]
+    command = [*TORCHRUN, f"--nproc_per_node={layout.nproc}", *script, *common_args]
     command += [*layout.flags, "--gradient_accumulation_steps", str(layout.accumulation)]
     command += ["--log_file", str(log_file)]
     # One thread per process unless the caller says otherwise: the ranks share the cores.
