@@ -100,7 +100,8 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm, ba
         model.config.save_pretrained(tmp)  # the full model's shape, for export and sampling
     dist.barrier()
     moments = zero.gather_optimizer_state(optimizer)  # every dp rank takes part
-    pieces = write_slices(tmp, model, moments, pgm) if pgm.dp_rank == 0 else []
+    first = pgm.dp_rank == 0 and pgm.cp_rank == 0  # the cp ranks hold the same weights too
+    pieces = write_slices(tmp, model, moments, pgm) if first else []
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(pieces, everyone, dst=0)  # rank 0 goes on once every file is written
     if dist.get_rank() == 0:

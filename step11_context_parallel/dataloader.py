@@ -8,6 +8,9 @@ the seed and the epoch only, so a run is reproducible and can resume from a posi
 Under data parallelism the ranks read the same stream of micro-batches and each takes its own:
 the k-th micro-batch of dp rank r is micro-batch k * dp_size + r of the stream. Together the ranks
 see exactly what one process sees with dp_size times the accumulation, each row once.
+
+Under context parallelism the cp ranks of a dp rank read the same rows, and each keeps its two
+chunks of every row's inputs and targets (context_parallel.split_sequence).
 """
 
 # B micro-batch size, T tokens per row
@@ -17,6 +20,8 @@ from pathlib import Path
 import torch
 from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
+
+from context_parallel import split_sequence
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -89,10 +94,22 @@ class MicroBatchDataLoader:
     """Serves (inputs, targets) micro-batches of B rows, forever: after the last row of an epoch
     it starts a new epoch in a new shuffled order instead of stopping."""
 
-    def __init__(self, rows, micro_batch_size, seed, device, shuffle=True, dp_rank=0, dp_size=1):
+    def __init__(
+        self,
+        rows,
+        micro_batch_size,
+        seed,
+        device,
+        shuffle=True,
+        dp_rank=0,
+        dp_size=1,
+        cp_rank=0,
+        cp_size=1,
+    ):
         self.rows, self.micro_batch_size = rows, micro_batch_size
         self.seed, self.device, self.shuffle = seed, device, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.position = 0  # rows served so far to all dp ranks, over all epochs
         self._order = (None, None)  # (epoch, permutation), the one epoch cached
 
@@ -118,7 +135,11 @@ class MicroBatchDataLoader:
             indices.append(self.order(epoch)[i].item())
         self.position += self.dp_size * self.micro_batch_size
         tokens = self.rows[indices]["tokens"].to(self.device)  # (B, T+1)
-        return tokens[:, :-1], tokens[:, 1:]  # inputs (B, T), targets (B, T)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T)
+        if self.cp_size == 1:
+            return inputs, targets
+        # This cp rank's chunks of both: the target of each input token stays beside it.
+        return tuple(split_sequence(x, self.cp_rank, self.cp_size) for x in (inputs, targets))
 
     def state_dict(self):
         return {"position": self.position}

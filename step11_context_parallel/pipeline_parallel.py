@@ -74,9 +74,9 @@ class TiedEmbeddings:
         if not (model.config.tie_word_embeddings and pgm.pp_size > 1):
             return
         # The embedding group: the first and last stage of each pipeline, one per (dp_rank,
-        # tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates every
-        # group, in the same order, even those it is not part of.
-        for ranks in pgm.grid[:, [0, -1], :].transpose(1, 2).reshape(-1, 2).tolist():
+        # cp_rank, tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates
+        # every group, in the same order, even those it is not part of.
+        for ranks in pgm.grid[:, [0, -1]].movedim(1, -1).reshape(-1, 2).tolist():
             group = dist.new_group(ranks)
             if pgm.global_rank in ranks:
                 self.group, self.first_rank = group, ranks[0]

@@ -1,8 +1,8 @@
-"""Step 10: ZeRO-1, the optimizer state sharded over the data-parallel ranks. Each dp rank
-keeps the AdamW moments of 1/dp_size of the parameters: gradients are reduce-scattered instead of
-all-reduced, each rank updates its shard, and the parameters are all-gathered. See README.md.
+"""Step 11: context parallelism, every sequence split over cp_size ranks. Each cp rank runs the
+model on its two chunks of every row; attention is ring attention, key/value blocks passed around
+the cp group. With dp, pp and tp: 4D parallelism. See README.md.
 
-    torchrun --nproc_per_node 4 step10_zero1/train.py --dp_size 4
+    torchrun --nproc_per_node 2 step11_context_parallel/train.py --cp_size 2
 """
 
 import json
@@ -24,6 +24,7 @@ from checkpoint import (
     narrow,
     save_checkpoint,
 )
+from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_splits, load_tokenizer, tokenize
 from model import LlamaForCausalLM
 from pipeline_parallel import (
@@ -94,8 +95,11 @@ def parse_args(argv=None):
     system.add_argument("--compile", action="store_true", help="torch.compile the model")
     system.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU")
     system.add_argument("--log_every", type=int, default=1)
-    parallel = parser.add_argument_group("parallelism (tp_size * pp_size * dp_size = world size)")
+    parallel = parser.add_argument_group(
+        "parallelism (tp_size * pp_size * dp_size * cp_size = world size)"
+    )
     parallel.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks")
+    parallel.add_argument("--cp_size", type=int, default=1, help="context-parallel ranks")
     parallel.add_argument("--dp_size", type=int, default=1, help="data-parallel ranks")
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
@@ -164,6 +168,8 @@ def parse_args(argv=None):
     for name in ["eval_every", "sample_tokens"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if args.cp_size > 1:  # below 1: check_sizes refuses it
+        check_context_parallel(args.seq_len, args.cp_size)
     if not args.bucket_size_mb > 0:
         parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     if args.pp_timeline == "" and args.save_dir:
@@ -194,14 +200,14 @@ def setup_distributed(args):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Checked before any collective, on every rank: a bad grid exits at once instead of hanging.
-    check_sizes(world_size, args.tp_size, args.pp_size, args.dp_size)
+    check_sizes(world_size, args.tp_size, args.pp_size, args.dp_size, args.cp_size)
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size), device
+    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size, args.cp_size), device
 
 
 ### end Process groups
@@ -257,6 +263,8 @@ def build_model(config, device, seed, pgm):
         model = LlamaForCausalLM(config)
         # The swap happens before any weight exists: each rank allocates only its slices.
         apply_tensor_parallel(model, pgm.tp_group)
+        if pgm.cp_size > 1:  # attention around the cp ring; the projections stay as they are
+            apply_context_parallel(model, pgm.cp_group)
         keep_stage(model, pgm)  # this stage's layers only
     model.to_empty(device=device)
     if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
@@ -341,6 +349,7 @@ def build_data(args, config, device, pgm):
     validation = tokenize(validation, tokenizer, args.seq_len, args.num_proc)
     log(f"data {args.dataset_name}: {len(train):,} training rows, {len(validation):,} validation")
     dp = {"dp_rank": pgm.dp_rank, "dp_size": pgm.dp_size}  # each dp rank takes its micro-batches
+    dp.update(cp_rank=pgm.cp_rank, cp_size=pgm.cp_size)  # and each cp rank its chunks of them
     train_loader = MicroBatchDataLoader(train, args.micro_batch_size, args.seed, device, **dp)
     val_loader = MicroBatchDataLoader(
         validation, args.micro_batch_size, args.seed, device, shuffle=False, **dp
@@ -376,9 +385,10 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     scheduler.step()
     # The loss lives on the last stage: the sum over the pp group brings it to every rank.
     dist.all_reduce(total, group=pgm.pp_group)
-    # Each replica saw its own share; the logged loss is the mean over the whole batch.
-    dist.all_reduce(total, group=pgm.dp_group)
-    return total.item() / pgm.dp_size, grad_norm.item()
+    # Each replica saw its own share, each cp rank its chunks (all of the same size): the logged
+    # loss is the mean over the whole batch.
+    dist.all_reduce(total, group=pgm.dp_cp_group)
+    return total.item() / (pgm.dp_size * pgm.cp_size), grad_norm.item()
 
 
 def report_schedule(schedule, m, engine, pgm, trace_path=""):
@@ -435,8 +445,8 @@ def evaluate(model, loader, steps, device, dtype, pgm, shape):
                 total += loss_fn(logits, targets, pgm)
     model.train()
     dist.all_reduce(total, group=pgm.pp_group)  # from the last stage to all
-    dist.all_reduce(total, group=pgm.dp_group)
-    return (total / steps).item()
+    dist.all_reduce(total, group=pgm.dp_cp_group)
+    return (total / (steps * pgm.cp_size)).item()
 
 
 @torch.no_grad()
@@ -605,9 +615,9 @@ def main(argv=None):
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
     step_fn = torch.compile(stage) if args.compile else stage
-    # The wrapper averages gradients over dp and shards the optimizer over it; checkpoints save
-    # the model itself, and the optimizer state through the wrapper.
-    step_fn = DataParallelZero1(step_fn, pgm.dp_group, args.bucket_size_mb, tied.weight)
+    # The wrapper averages gradients over dp x cp (the ranks with the same weights) and shards the
+    # optimizer over them; checkpoints save the model itself, the optimizer state through it.
+    step_fn = DataParallelZero1(step_fn, pgm.dp_cp_group, args.bucket_size_mb, tied.weight)
     optimizer, scheduler = build_optimizer(model, args, device, step_fn.shard)
     num_params = sum(p.numel() for p in model.parameters())
     log(
@@ -620,7 +630,8 @@ def main(argv=None):
     tokens_per_step = args.micro_batch_size * args.gradient_accumulation_steps * args.seq_len
     tokens_per_step *= pgm.dp_size
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
-    shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # known in advance
+    # Known in advance; a cp rank holds seq_len / cp_size tokens of each row.
+    shape = (args.micro_batch_size, args.seq_len // pgm.cp_size, config.hidden_size)
     stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
@@ -652,7 +663,7 @@ def main(argv=None):
             record["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
             log(
                 f"optimizer state: {record['optimizer_state_bytes']:,} bytes of AdamW moments "
-                f"on this rank, 1/{pgm.dp_size} of those of its stage and tp slice",
+                f"on this rank, 1/{pgm.dp_size * pgm.cp_size} of those of its stage and tp slice",
                 all_ranks=True,
             )
         metrics.write(record)
@@ -673,16 +684,17 @@ def main(argv=None):
     if stopped:  # the seconds before the cluster kills the job go to the checkpoint only
         dist.destroy_process_group()
         return
-    text = sample(
-        stage,
-        tokenizer,
-        args.sample_prompt,
-        args.sample_tokens,
-        device,
-        args.seed,
-        pgm,
-        config.hidden_size,
-    )
+    with whole_sequence(stage):  # one prompt, every cp rank all of it
+        text = sample(
+            stage,
+            tokenizer,
+            args.sample_prompt,
+            args.sample_tokens,
+            device,
+            args.seed,
+            pgm,
+            config.hidden_size,
+        )
     log(f"sample: {text!r}")
     dist.destroy_process_group()
 

@@ -179,7 +179,7 @@ class DataParallelZero1(DataParallelBucket):
                     continue
                 kind = 0 if id(param) in self.tp_sharded else 1
                 squares[kind] += bucket.grad_data[lo:hi].pow(2).sum()
-        dist.all_reduce(squares, group=pgm.dp_group)
+        dist.all_reduce(squares, group=self.dp_group)  # the group it is sharded over
         sharded, replicated = squares.unbind()
         dist.all_reduce(sharded, group=pgm.tp_group)
         total = sharded + replicated

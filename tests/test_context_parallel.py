@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT, TINY, check, run_step, spawn
+from conftest import ROOT, TINY, assert_same_training, run_step, spawn
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -27,12 +27,12 @@ def max_difference(got, want):
     return (got - want).abs().max().item()
 
 
-def ring_against_sdpa(rank, world):
+def ring_against_sdpa(rank, group):
     from context_parallel import RingAttention, split_sequence
 
-    group = dist.new_group(list(range(world)))
+    cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     for B, H, K, T, d in SHAPES:
-        if T % (2 * world):
+        if T % (2 * cp_size):
             continue
         generator = torch.Generator().manual_seed(T * 1000 + H)
         q, k, v = (torch.randn(B, n, T, d, generator=generator) for n in (H, K, K))
@@ -40,27 +40,38 @@ def ring_against_sdpa(rank, world):
         whole = [x.clone().requires_grad_() for x in (q, k, v)]
         want = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
         want.backward(grad_out)
-        mine = [split_sequence(x, rank, world, dim=2).requires_grad_() for x in (q, k, v)]
+        mine = [split_sequence(x, cp_rank, cp_size, dim=2).requires_grad_() for x in (q, k, v)]
         got = RingAttention.apply(*mine, group)
-        got.backward(split_sequence(grad_out, rank, world, dim=2))
+        got.backward(split_sequence(grad_out, cp_rank, cp_size, dim=2))
         pairs = [(got, want)] + [(x.grad, y.grad) for x, y in zip(mine, whole, strict=True)]
         for name, (x, y) in zip(["out", "dq", "dk", "dv"], pairs, strict=True):
-            diff = max_difference(x, split_sequence(y, rank, world, dim=2))
-            assert diff < TOLERANCE, f"{name} of {(B, H, K, T, d)} on rank {rank}: {diff:.2e}"
+            diff = max_difference(x, split_sequence(y, cp_rank, cp_size, dim=2))
+            where = f"{(B, H, K, T, d)} at cp {cp_size}, rank {rank}"
+            assert diff < TOLERANCE, f"{name} of {where}: {diff:.2e}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ring_attention_equals_full_attention(tmp_path, world):
-    spawn(STEP, ring_against_sdpa, world, tmp_path)
+def attention_checks(rank, world):
+    """On 4 ranks: ring attention over all 4, then over two rings of 2 side by side, and a
+    layer's attention over the rings of 2."""
+    ring4 = dist.new_group(list(range(world)))
+    pairs = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank makes both
+    ring2 = pairs[rank // 2]
+    ring_against_sdpa(rank, ring4)
+    ring_against_sdpa(rank, ring2)
+    attention_against_llama(rank, ring2)
 
 
-def attention_against_llama(rank, world):
+def test_ring_attention_equals_full_attention(tmp_path):
+    spawn(STEP, attention_checks, 4, tmp_path)
+
+
+def attention_against_llama(rank, group):
     """A layer's attention on this rank's chunks, RoPE at the global positions, against
     LlamaAttention on the whole sequence; the projections' gradients summed over the ranks."""
-    from context_parallel import ContextParallelAttention, split_sequence
+    from context_parallel import ContextParallelAttention, split_sequence, whole_sequence
     from model import LlamaAttention
 
-    group = dist.new_group(list(range(world)))
+    cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     config = SimpleNamespace(
         hidden_size=32, num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope
@@ -74,19 +85,53 @@ def attention_against_llama(rank, world):
     grad_out = torch.randn(2, 16, 32)
     want = reference(x)
     want.backward(grad_out)
-    got = attention(split_sequence(x, rank, world))
-    got.backward(split_sequence(grad_out, rank, world))
-    assert max_difference(got, split_sequence(want, rank, world)) < TOLERANCE
+    got = attention(split_sequence(x, cp_rank, cp_size))
+    got.backward(split_sequence(grad_out, cp_rank, cp_size))
+    assert max_difference(got, split_sequence(want, cp_rank, cp_size)) < TOLERANCE
     for name, param in attention.named_parameters():
         dist.all_reduce(param.grad, group=group)  # each rank's tokens add to the gradient
         diff = max_difference(param.grad, reference.get_parameter(name).grad)
         assert diff < TOLERANCE, f"{name}.grad on rank {rank}: {diff:.2e}"
-    with torch.no_grad():  # sampling: every rank the whole sequence, no ring
-        from context_parallel import whole_sequence
-
-        with whole_sequence(attention):
-            assert max_difference(attention(x), want) == 0
+    with torch.no_grad(), whole_sequence(attention):  # sampling: the whole sequence, no ring
+        assert max_difference(attention(x), want) == 0
 
 
-def test_layer_attention_equals_llama_attention(tmp_path):
-    spawn(STEP, attention_against_llama, 2, tmp_path)
+# ---- training against step 3 -------------------------------------------------------------------
+
+ACCUMULATION = 2  # the baseline's; the dp 2 layout takes 1
+COMMON = [*TINY, "--max_steps", "8", "--eval_every", "4", "--eval_steps", "2"]
+COMMON += ["--num_proc", "1", "--sample_tokens", "4"]
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+LAYOUTS = {layout.name: layout for layout in convergence.cp_layouts(ACCUMULATION)}
+TRAINED = ["cp2", "cp2_tp2", "dp2_pp2_cp2"]  # pp2_cp2 is in the 4D one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Step 3 on one process, and step 11 at cp 2, cp 2 x tp 2 and dp 2 x pp 2 x cp 2, each run
+    once for all the tests below."""
+    out_dir = tmp_path_factory.mktemp("cp")
+    layouts = [convergence.baseline_layout(ACCUMULATION)] + [LAYOUTS[name] for name in TRAINED]
+    return {
+        layout.name: convergence.run(layout, COMMON, out_dir, env=ENV, timeout=300)
+        for layout in layouts
+    }
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_trains_like_step3(runs, name):
+    """The same losses, gradient norms and validation losses as one process, at every step."""
+    comparison = convergence.compare(runs[name], runs["baseline"])
+    print(f"\n{convergence.table({name: comparison})}")
+    assert comparison.ok, comparison.problems
+    assert [r["step"] for r in runs[name] if "val_loss" in r] == [4, 8]
+    assert_same_training(runs[name], runs["baseline"])
+
+
+def test_seq_len_that_cp_cannot_split_is_refused():
+    args = [*TINY, "--cp_size", "2", "--seq_len", "30"]
+    result = run_step(STEP, args, torchrun=False, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "seq_len=30 is not a multiple of 2 * cp_size = 4" in result.stderr
+    assert "seq_len=28 would work" in result.stderr
+    assert "Traceback" not in result.stderr
