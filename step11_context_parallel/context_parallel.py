@@ -127,7 +127,9 @@ class RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
                 kv = received
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # (B, H, T, d), (B, H, T)
+        lse = torch.cat(lse, dim=2)  # (B, H, T)
+        # (B, H, T, d), laid out as (B, T, H, d): o_proj's input is then a view, not a copy.
+        out = torch.cat(out, dim=2).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group = group
         return out.to(q.dtype)
@@ -202,7 +204,8 @@ class ContextParallelAttention(LlamaAttention):
         # This rank's tokens sit at the positions of its two chunks: their rows of the rotation.
         where = torch.arange(T * self.cp_size, device=x.device)
         mine = split_sequence(where, self.cp_rank, self.cp_size, dim=0)
-        q, k = apply_rotary(q, cos[mine], sin[mine]), apply_rotary(k, cos[mine], sin[mine])
+        cos, sin = cos[mine], sin[mine]  # (T, d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = RingAttention.apply(q, k, v, self.group)  # (B, H, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*d)
         return self.o_proj(y)  # (B, T, D)
