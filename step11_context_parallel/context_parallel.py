@@ -38,6 +38,8 @@ def chunk_ids(cp_rank, cp_size):
 
 def split_sequence(x, cp_rank, cp_size, dim=1):
     """This rank's part of whole sequences (token ids, targets): its two chunks, side by side."""
+    if cp_size == 1:
+        return x  # the whole sequence, whatever its length
     chunks = x.chunk(2 * cp_size, dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(cp_rank, cp_size)], dim=dim)
 

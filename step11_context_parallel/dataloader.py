@@ -136,9 +136,7 @@ class MicroBatchDataLoader:
         self.position += self.dp_size * self.micro_batch_size
         tokens = self.rows[indices]["tokens"].to(self.device)  # (B, T+1)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T)
-        if self.cp_size == 1:
-            return inputs, targets
-        # This cp rank's chunks of both: the target of each input token stays beside it.
+        # This cp rank's chunks of both, (B, T / cp): each target stays beside its input token.
         return tuple(split_sequence(x, self.cp_rank, self.cp_size) for x in (inputs, targets))
 
     def state_dict(self):
