@@ -46,10 +46,8 @@ class ProcessGroupManager:
         check_sizes(self.world_size, tp_size, pp_size, dp_size, cp_size)
         self.grid = grid(self.world_size, tp_size, pp_size, dp_size, cp_size)
         coords = (self.grid == self.global_rank).nonzero()[0].tolist()
-        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = coords
-        self.dp_size, self.pp_size, self.tp_size = dp_size, pp_size, tp_size
-        self.cp_size = cp_size
-        dp, pp, cp, tp = coords
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = dp, pp, cp, tp = coords
+        self.dp_size, self.pp_size, self.cp_size, self.tp_size = dp_size, pp_size, cp_size, tp_size
 
         # The ranks that share this rank's coordinates on the three other axes.
         self.tp_group_ids = self.grid[dp, pp, cp, :].tolist()

@@ -50,9 +50,29 @@ def ring_against_sdpa(rank, group):
             assert diff < TOLERANCE, f"{name} of {where}: {diff:.2e}"
 
 
+def grid_checks(rank):
+    """The 4D grid of 4 ranks: tp fastest, then cp; the dp x cp group holds the same weights."""
+    from process_group_manager import ProcessGroupManager
+
+    def members(group):
+        return dist.get_process_group_ranks(group)
+
+    pgm = ProcessGroupManager(2, 1, 1, 2)  # tp 2 x cp 2
+    assert (pgm.tp_rank, pgm.cp_rank) == (rank % 2, rank // 2)
+    assert pgm.tp_group_ids == members(pgm.tp_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert pgm.cp_group_ids == members(pgm.cp_group) == [rank % 2, rank % 2 + 2]
+    assert pgm.dp_cp_group_ids == members(pgm.dp_cp_group) == [rank % 2, rank % 2 + 2]
+    pgm = ProcessGroupManager(1, 1, 2, 2)  # dp 2 x cp 2
+    assert (pgm.dp_rank, pgm.cp_rank) == (rank // 2, rank % 2)
+    assert pgm.cp_group_ids == members(pgm.cp_group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert pgm.dp_group_ids == members(pgm.dp_group) == [rank % 2, rank % 2 + 2]
+    assert pgm.dp_cp_group_ids == members(pgm.dp_cp_group) == [0, 1, 2, 3]
+
+
 def attention_checks(rank, world):
-    """On 4 ranks: ring attention over all 4, then over two rings of 2 side by side, and a
-    layer's attention over the rings of 2."""
+    """On 4 ranks: the grid's groups; ring attention over all 4, then over two rings of 2 side by
+    side, and a layer's attention over the rings of 2."""
+    grid_checks(rank)
     ring4 = dist.new_group(list(range(world)))
     pairs = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank makes both
     ring2 = pairs[rank // 2]
