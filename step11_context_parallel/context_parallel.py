@@ -22,6 +22,7 @@ works. With the pairs every rank computes the same number of (query chunk, key c
 
 # B batch, H query heads, K key/value heads, T this rank's tokens, C tokens of a chunk, d head dim
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -102,12 +103,25 @@ def blocks(cp_rank, source, cp_size):
                 yield i, j, k_chunk == q_chunk
 
 
+def without_autocast(function):
+    """Run forward or backward with autocast off on the device of its first tensor: under
+    autocast, `@` would compute the fp32 scores and the merge in bf16."""
+
+    @functools.wraps(function)
+    def run(ctx, first, *args):
+        with torch.autocast(first.device.type, enabled=False):
+            return function(ctx, first, *args)
+
+    return run
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries (B, H, T, d) over the whole sequence, whose keys
     and values (B, K, T, d) are spread over the cp group, T = 2 chunks per rank (`chunk_ids`).
     Computed in fp32, returned in the queries' dtype."""
 
     @staticmethod
+    @without_autocast
     def forward(ctx, q, k, v, group):
         cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
         H = q.shape[1]
@@ -137,6 +151,7 @@ class RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group

@@ -50,6 +50,17 @@ def ring_against_sdpa(rank, group):
             assert diff < TOLERANCE, f"{name} of {where}: {diff:.2e}"
 
 
+def ring_ignores_autocast(group):
+    """Under bf16 autocast the ring still computes in fp32: the same bits as without it."""
+    from context_parallel import RingAttention
+
+    generator = torch.Generator().manual_seed(dist.get_rank(group))
+    q, k, v = (torch.randn(2, n, 8, 8, generator=generator).bfloat16() for n in (4, 2, 2))
+    plain = RingAttention.apply(q, k, v, group)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(RingAttention.apply(q, k, v, group), plain)
+
+
 def grid_checks(rank):
     """The 4D grid of 4 ranks: tp fastest, then cp; the dp x cp group holds the same weights."""
     from process_group_manager import ProcessGroupManager
@@ -78,6 +89,7 @@ def attention_checks(rank, world):
     ring2 = pairs[rank // 2]
     ring_against_sdpa(rank, ring4)
     ring_against_sdpa(rank, ring2)
+    ring_ignores_autocast(ring2)
     attention_against_llama(rank, ring2)
 
 
