@@ -80,6 +80,38 @@ def grid_checks(rank):
     assert pgm.dp_cp_group_ids == members(pgm.dp_cp_group) == [0, 1, 2, 3]
 
 
+def saved_bytes(model, ids):
+    """The bytes of activations one forward keeps for backward: each storage once, no weights."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(tensor):
+        seen.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids).sum().backward()
+    return sum(size for pointer, size in seen if pointer not in weights)
+
+
+def activations_fall_as_one_over_cp(rank, group):
+    """A rank of cp ranks keeps 1/cp of the activations that one rank keeps for the whole row."""
+    from transformers import AutoConfig
+
+    from context_parallel import apply_context_parallel, split_sequence
+    from model import LlamaForCausalLM
+
+    cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    config = AutoConfig.from_pretrained(str(ROOT / "assets" / "configs" / "tiny"))
+    config.num_hidden_layers, config.hidden_size, config.head_dim = 2, 64, 16
+    config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 128, 4, 2
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    whole = saved_bytes(LlamaForCausalLM(config), ids)
+    model = apply_context_parallel(LlamaForCausalLM(config), group)
+    mine = saved_bytes(model, split_sequence(ids, cp_rank, cp_size))
+    assert mine * cp_size == whole, f"cp {cp_size}: {mine} bytes per rank, {whole} at cp 1"
+
+
 def attention_checks(rank, world):
     """On 4 ranks: the grid's groups; ring attention over all 4, then over two rings of 2 side by
     side, and a layer's attention over the rings of 2."""
@@ -90,6 +122,7 @@ def attention_checks(rank, world):
     ring_against_sdpa(rank, ring4)
     ring_against_sdpa(rank, ring2)
     ring_ignores_autocast(ring2)
+    activations_fall_as_one_over_cp(rank, ring4)
     attention_against_llama(rank, ring2)
 
 
