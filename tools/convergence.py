@@ -500,6 +500,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.tied and args.cp:
         parser.error("--tied and --cp pick different layouts: give one of them")
+    if args.bug and args.cp:
+        parser.error(f"--bug {args.bug} breaks {BUGS[args.bug][0]}, not a --cp layout: no --cp")
     kind = tied_layouts if args.tied else cp_layouts if args.cp else default_layouts
     try:
         layouts = kind(args.gradient_accumulation_steps)
