@@ -26,6 +26,7 @@ STEP_MODULES = [
     "data_parallel",
     "pipeline_parallel",
     "zero",
+    "context_parallel",
     "train",
 ]
 # A model small enough for a 2-core machine; the vocabulary comes from assets/configs/tiny.

@@ -1,11 +1,11 @@
 """The commands the READMEs show work as printed. Every `torchrun ...`, `python stepK_*/...` and
 `python tools/...` command in the code blocks of README.md and the step READMEs, and in the step
 table, is checked: the script exists, its flags parse with the step's own parser, and the process
-count equals tp_size x pp_size x dp_size. Then it runs for two steps with the process count and
-every flag as written (its ranks started as torchrun starts them on one node, by tests/launch.py),
-only the model shrunk to test size (TINY, with enough layers and heads
-for the pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a
-comment as needing a GPU, the network or two nodes is checked but not run; so are the
+count equals tp_size x pp_size x dp_size (x cp_size). Then it runs for two steps with the process
+count and every flag as written (its ranks started as torchrun starts them on one node, by
+tests/launch.py), only the model shrunk to test size (TINY, with enough layers and heads for the
+pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a comment
+as needing a GPU, the network or two nodes is checked but not run; so are the
 convergence harness's commands (tests/test_convergence.py runs the harness). tools/README.md
 contributes its convergence commands; its other examples name placeholder checkpoints.
 
@@ -184,9 +184,10 @@ def parse(command):
         pytest.fail(f"{command}\nthe flags do not parse with {command.step}/train.py")
     launcher = command.launcher
     world = int(launcher.get("nproc_per_node", 1)) * int(launcher.get("nnodes", 1))
-    grid = [getattr(args, f"{axis}_size", 1) for axis in ["tp", "pp", "dp"]]
-    assert world == grid[0] * grid[1] * grid[2], (
-        f"{command}\n{world} processes for tp {grid[0]} x pp {grid[1]} x dp {grid[2]}"
+    grid = [getattr(args, f"{axis}_size", 1) for axis in ["tp", "pp", "dp", "cp"]]
+    assert world == grid[0] * grid[1] * grid[2] * grid[3], (
+        f"{command}\n{world} processes for tp {grid[0]} x pp {grid[1]} x dp {grid[2]} x "
+        f"cp {grid[3]}"
     )
     return args
 

@@ -38,6 +38,16 @@ STEP_CHANGES = {
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
     "step9_3d_parallel": {"checkpoint.py", "train.py", "README.md"},
     "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
+    "step11_context_parallel": {
+        "context_parallel.py",
+        "process_group_manager.py",
+        "dataloader.py",
+        "pipeline_parallel.py",
+        "zero.py",
+        "checkpoint.py",
+        "train.py",
+        "README.md",
+    },
 }
 
 # Tool runs in temporary repositories must not depend on the user's git configuration.

@@ -14,6 +14,7 @@ shows from the first step.
     python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
                                                                # another layout (step 9)
     python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
+    python tools/convergence.py --cp                 # context parallelism (step 11), in 4D too
 
 `inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
 known bug patched in from outside, the step's files untouched, to show that the comparison
@@ -34,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP9 = "step9_3d_parallel"
+STEP11 = "step11_context_parallel"
 OVERRIDES = [
     "num_hidden_layers",
     "hidden_size",
@@ -135,6 +137,24 @@ def tied_layouts(accumulation):
         Layout("tied_pp3_1f1b", "step8_pipeline_parallel_1f1b", 3, pp3, accumulation),
         Layout("tied_tp2_pp2_afab", "step8_pipeline_parallel_1f1b", 4, tp2_pp2, accumulation),
         Layout("tied_tp2_dp2_pp2", STEP9, 8, (*grid, "--bucket_size_mb", "0.05"), half),
+    ]
+
+
+def cp_layouts(accumulation):
+    """Step 11's layouts: each sequence split over 2 cp ranks, alone, with tp 2, with pp 2, and
+    in 4D (dp 2 x pp 2 x cp 2 x tp 1, 8 processes). seq_len must divide by 4."""
+    if accumulation % 2:
+        raise ValueError(
+            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+        )
+    cp2 = ("--cp_size", "2")
+    pp2 = ("--pp_size", "2", "--pp_engine", "1f1b")
+    grid = (*cp2, *pp2, "--dp_size", "2", "--bucket_size_mb", "0.05")
+    return [
+        Layout("cp2", STEP11, 2, cp2, accumulation),
+        Layout("cp2_tp2", STEP11, 4, (*cp2, "--tp_size", "2"), accumulation),
+        Layout("pp2_cp2", STEP11, 4, (*cp2, *pp2), accumulation),
+        Layout("dp2_pp2_cp2", STEP11, 8, grid, accumulation // 2),
     ]
 
 
@@ -429,6 +449,7 @@ def parse_args(argv):
     argv = argv[: argv.index("--")] if "--" in argv else argv
     names = [layout.name for layout in default_layouts(2)]
     tied_names = [layout.name for layout in tied_layouts(2)]
+    cp_names = [layout.name for layout in cp_layouts(2)]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="flags after -- go to every train.py: -- --dataset_name roneneldan/TinyStories",
@@ -438,7 +459,7 @@ def parse_args(argv):
     parser.add_argument(
         "--layouts",
         help=f"comma-separated, default all: {','.join(names)} (with --tied: "
-        f"{','.join(tied_names)})",
+        f"{','.join(tied_names)}; with --cp: {','.join(cp_names)})",
     )
     parser.add_argument(
         "--bug",
@@ -454,6 +475,9 @@ def parse_args(argv):
         action="store_true",
         help="tie the model's embeddings (a config written to out_dir/config_tied) and run the "
         "tied layouts instead",
+    )
+    parser.add_argument(
+        "--cp", action="store_true", help="run step 11's context-parallel layouts instead"
     )
     for name in OVERRIDES:
         parser.add_argument(f"--{name}", type=int)
@@ -477,11 +501,16 @@ def parse_args(argv):
         f"layout, the rest in another from its checkpoint",
     )
     args = parser.parse_args(argv)
+    if args.tied and args.cp:
+        parser.error("--tied and --cp pick different layouts: give one of them")
+    if args.bug and args.cp:
+        parser.error(f"--bug {args.bug} breaks {BUGS[args.bug][0]}, not a --cp layout: no --cp")
+    kind = tied_layouts if args.tied else cp_layouts if args.cp else default_layouts
     try:
-        layouts = (tied_layouts if args.tied else default_layouts)(args.gradient_accumulation_steps)
+        layouts = kind(args.gradient_accumulation_steps)
     except ValueError as error:
         parser.error(str(error))
-    names = tied_names if args.tied else names
+    names = tied_names if args.tied else cp_names if args.cp else names
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - set(names))

@@ -1,0 +1,146 @@
+"""Real data: a text dataset tokenised, cut into fixed-length rows and served in micro-batches.
+
+Every document's tokens are followed by the end-of-text token and concatenated, then cut into rows
+of T + 1 tokens: the inputs are the first T, the targets the last T (the same row shifted by one),
+so every position predicts the next token. The rows are served in a shuffled order that depends on
+the seed and the epoch only, so a run is reproducible and can resume from a position.
+
+Under data parallelism the ranks read the same stream of micro-batches and each takes its own:
+the k-th micro-batch of dp rank r is micro-batch k * dp_size + r of the stream. Together the ranks
+see exactly what one process sees with dp_size times the accumulation, each row once.
+
+Under context parallelism the cp ranks of a dp rank read the same rows, and each keeps its two
+chunks of every row's inputs and targets (context_parallel.split_sequence).
+"""
+
+# B micro-batch size, T tokens per row
+
+from pathlib import Path
+
+import torch
+from datasets import DatasetDict, load_dataset
+from transformers import AutoTokenizer
+
+from context_parallel import split_sequence
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def resolve(name, kind):
+    """A local path, a name in assets/KIND (the offline defaults), or else a hub id."""
+    if Path(name).exists():
+        return str(name)
+    if (ASSETS / kind / name).exists():
+        return str(ASSETS / kind / name)
+    return name
+
+
+def offline_hint(what, name, default, error):
+    return ValueError(
+        f"could not load the {what} {name!r}: it is not a local path, and the Hugging Face hub "
+        f"could not be reached or has no such {what}. The offline default is {default!r} "
+        f"(in assets/).\n{type(error).__name__}: {error}"
+    )
+
+
+def load_tokenizer(name):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve(name, "tokenizers"))
+    except (OSError, ValueError) as error:
+        raise offline_hint("tokenizer", name, "tinytales", error) from error
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer {name!r} has no end-of-text token to separate documents")
+    return tokenizer
+
+
+def load_splits(name, seed, text_column="text"):
+    """The train and validation splits; 1 % of train is held out when there is no validation."""
+    try:
+        splits = load_dataset(resolve(name, "datasets"))
+    except Exception as error:  # datasets raises many kinds of error for an unreachable hub
+        raise offline_hint("dataset", name, "tinytales", error) from error
+    if "validation" not in splits:
+        held_out = splits["train"].train_test_split(test_size=0.01, seed=seed)
+        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    if text_column not in splits["train"].column_names:
+        raise ValueError(f"dataset {name!r} has no {text_column!r} column")
+    return splits["train"], splits["validation"]
+
+
+def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
+    """Rows of T + 1 token ids: documents joined by end-of-text, cut into equal lengths."""
+    eos, row = tokenizer.eos_token_id, seq_len + 1
+
+    def to_rows(batch):
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        stream = [token for doc in ids for token in [*doc, eos]]
+        # The last partial row of every batch of documents is dropped: under one row per batch.
+        return {"tokens": [stream[i : i + row] for i in range(0, len(stream) - row + 1, row)]}
+
+    rows = dataset.map(
+        to_rows,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=dataset.column_names,
+        desc=f"tokenising into rows of {row}",
+    )
+    if len(rows) == 0:
+        raise ValueError(f"the dataset is too small for one row of seq_len + 1 = {row} tokens")
+    return rows.with_format("torch")
+
+
+class MicroBatchDataLoader:
+    """Serves (inputs, targets) micro-batches of B rows, forever: after the last row of an epoch
+    it starts a new epoch in a new shuffled order instead of stopping."""
+
+    def __init__(
+        self,
+        rows,
+        micro_batch_size,
+        seed,
+        device,
+        shuffle=True,
+        dp_rank=0,
+        dp_size=1,
+        cp_rank=0,
+        cp_size=1,
+    ):
+        self.rows, self.micro_batch_size = rows, micro_batch_size
+        self.seed, self.device, self.shuffle = seed, device, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.position = 0  # rows served so far to all dp ranks, over all epochs
+        self._order = (None, None)  # (epoch, permutation), the one epoch cached
+
+    def order(self, epoch):
+        if self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 10_007 + epoch)
+            perm = torch.randperm(len(self.rows), generator=generator)
+            self._order = (epoch, perm if self.shuffle else torch.arange(len(self.rows)))
+        return self._order[1]
+
+    @property
+    def epoch(self):
+        return self.position // len(self.rows)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        indices = []
+        first = self.position + self.dp_rank * self.micro_batch_size  # skip lower dp ranks' rows
+        for position in range(first, first + self.micro_batch_size):
+            epoch, i = divmod(position, len(self.rows))
+            indices.append(self.order(epoch)[i].item())
+        self.position += self.dp_size * self.micro_batch_size
+        tokens = self.rows[indices]["tokens"].to(self.device)  # (B, T+1)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T)
+        # This cp rank's chunks of both, (B, T / cp): each target stays beside its input token.
+        return tuple(split_sequence(x, self.cp_rank, self.cp_size) for x in (inputs, targets))
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]

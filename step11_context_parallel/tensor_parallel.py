@@ -1,0 +1,233 @@
+"""Tensor parallelism (Megatron-LM style): every weight matrix split across the tp ranks.
+
+In a block, q/k/v (and gate/up) are split by output features ("column parallel"): each rank
+computes its own heads (its own slice of the MLP width) from the full input, with no
+communication. o_proj (and down_proj) are split by input features ("row parallel"): each rank
+multiplies its slice and one all-reduce sums the partial results. So a block costs two
+all-reduces forward (after attention, after the MLP) and two backward (where the replicated input
+fans out into the column-parallel layers). The embedding and lm_head are split over the
+vocabulary, and the loss is computed on the vocabulary shards without gathering the logits.
+"""
+
+# B batch, T tokens, D hidden, V vocab, F output features; "/tp": the slice one rank holds
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Copy(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce the gradient (the input fed every rank's slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class Reduce(torch.autograd.Function):
+    """Forward: all-reduce (sum the ranks' partial results). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Gather(torch.autograd.Function):
+    """Forward: all-gather the slices along the last dim. Backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by rows (output features): the output stays split, (.., F/tp)."""
+
+    def __init__(self, in_features, out_features, group):
+        super().__init__()
+        self.group, self.tp_rank = group, dist.get_rank(group)
+        self.tp_size = dist.get_world_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features))
+
+    def init_parameter(self, name, make_full):
+        full = make_full((self.out_features, self.in_features))
+        return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+
+    def forward(self, x):
+        return F.linear(Copy.apply(x, self.group), self.weight)  # (.., D) -> (.., F/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by columns (input features): the input comes split, (.., D/tp),
+    each rank's product is a partial sum, and one all-reduce adds them up."""
+
+    def __init__(self, in_features, out_features, group):
+        super().__init__()
+        self.group, self.tp_rank = group, dist.get_rank(group)
+        self.tp_size = dist.get_world_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size))
+
+    def init_parameter(self, name, make_full):
+        full = make_full((self.out_features, self.in_features))
+        return full.chunk(self.tp_size, dim=1)[self.tp_rank]
+
+    def forward(self, x):
+        return Reduce.apply(F.linear(x, self.weight), self.group)  # (.., D/tp) -> (.., F)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table split by rows (token ids): each rank looks up the ids it holds, writes
+    zeros for the others, and an all-reduce assembles the full embeddings."""
+
+    def __init__(self, num_embeddings, embedding_dim, group, padding_idx=None):
+        super().__init__()
+        self.group, self.tp_rank = group, dist.get_rank(group)
+        self.tp_size = dist.get_world_size(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_per_partition = num_embeddings // self.tp_size
+        self.vocab_start = self.tp_rank * self.vocab_per_partition
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_partition, embedding_dim))
+        # The pad token's row (nn.Embedding's padding_idx) gets no gradient, on the rank holding it.
+        local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
+        self.padding_idx = local_pad if 0 <= local_pad < self.vocab_per_partition else None
+
+    def init_parameter(self, name, make_full):
+        full = make_full((self.num_embeddings, self.embedding_dim))
+        return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+
+    def forward(self, input_ids):
+        local = input_ids - self.vocab_start  # (B, T)
+        elsewhere = (local < 0) | (local >= self.vocab_per_partition)
+        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)  # (B, T, D)
+        return Reduce.apply(x.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
+
+
+def vocab_parallel_cross_entropy(logits, targets, group):
+    """Mean cross-entropy of logits split over the vocabulary, (B, T, V/tp), never gathered.
+
+    loss = log(sum_v exp(z_v - m)) - (z_target - m), with m the max over the whole vocabulary:
+    the max, the sum of exponentials and the target's logit are each reduced across the group.
+    `Reduce` has an identity backward, so each rank gets the gradient of its own logits.
+    """
+    logits = logits.float()
+    vocab_per_partition = logits.shape[-1]
+    vocab_start = dist.get_rank(group) * vocab_per_partition
+    # 1. The max over the whole vocabulary keeps exp() from overflowing; it cancels out of the
+    #    loss, so it is a constant for autograd.
+    top = logits.max(dim=-1, keepdim=True).values.detach()  # (B, T, 1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top  # (B, T, V/tp)
+    # 2. The sum of exponentials over the whole vocabulary.
+    sum_exp = Reduce.apply(shifted.exp().sum(dim=-1), group)  # (B, T)
+    # 3. The target's logit: held by one rank, the others contribute zero.
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < vocab_per_partition)
+    picked = shifted.gather(-1, local.clamp(0, vocab_per_partition - 1).unsqueeze(-1))
+    target_logit = Reduce.apply(picked.squeeze(-1) * mine, group)  # (B, T)
+    return (sum_exp.log() - target_logit).mean()
+
+
+def check_tensor_parallel(config, tp_size):
+    """Refuse, with the numbers, a model that tp_size ranks cannot split evenly.
+
+    The vocabulary must divide too: padding it would add logits that must be masked out of the loss
+    and the samples, a detail that would hide the lesson; every shipped config divides by 2, 4, 8.
+    """
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, size in sizes.items():
+        if size % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide {name}={size}")
+
+
+# What becomes what: the declarative plan, by module name inside each decoder layer.
+PLAN = {
+    "self_attn.q_proj": ColumnParallelLinear,
+    "self_attn.k_proj": ColumnParallelLinear,
+    "self_attn.v_proj": ColumnParallelLinear,
+    "self_attn.o_proj": RowParallelLinear,
+    "mlp.gate_proj": ColumnParallelLinear,
+    "mlp.up_proj": ColumnParallelLinear,
+    "mlp.down_proj": RowParallelLinear,
+}
+
+
+def apply_tensor_parallel(model, group):
+    """Swap the model's layers for their tensor-parallel versions, following PLAN. Call it on the
+    meta device, before the weights exist; `init_weights` then gives each rank its slices."""
+    for layer in model.model.layers:
+        for name, parallel_class in PLAN.items():
+            parent_name, child_name = name.split(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, child_name)
+            parallel = parallel_class(dense.in_features, dense.out_features, group)
+            setattr(parent, child_name, parallel)
+    embed = model.model.embed_tokens
+    model.model.embed_tokens = VocabParallelEmbedding(*embed.weight.shape, group, embed.padding_idx)
+    # lm_head is column parallel: each rank computes the logits of its slice of the vocabulary.
+    model.lm_head = ColumnParallelLinear(
+        model.lm_head.in_features, model.lm_head.out_features, group
+    )
+    model.tie_weights()
+    return model
+
+
+def is_sharded(module):
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+
+
+def grad_squares(model, group):
+    """The parameters with a gradient, and the sum of their gradients' squares over the whole
+    tensor-parallel group: sharded ones summed across the group, replicated ones (the RMSNorm
+    weights, equal on every rank) counted once."""
+    sharded, replicated, seen = [], [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.grad is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (sharded if is_sharded(module) else replicated).append(param)
+    device = (sharded + replicated)[0].grad.device
+
+    def squares(params):
+        return sum((p.grad.float().pow(2).sum() for p in params), torch.zeros((), device=device))
+
+    total = squares(sharded)
+    dist.all_reduce(total, group=group)
+    return sharded + replicated, total + squares(replicated)
+
+
+def clip_grad_norm(model, max_norm, group):
+    """Clip by the norm of the whole model's gradient, not of this rank's slices."""
+    params, squares = grad_squares(model, group)
+    total_norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm

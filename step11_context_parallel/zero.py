@@ -1,0 +1,242 @@
+"""ZeRO-1, the distributed optimizer: the optimizer state sharded over the data-parallel ranks.
+
+With step 6's data parallelism every replica keeps the AdamW moments of every parameter (two fp32
+numbers, 8 bytes per parameter) and repeats the same update. ZeRO stage 1 splits that work and
+that memory dp_size ways. Each flat gradient bucket of step 6 is cut into dp_size equal contiguous
+shards (the bucket padded with zeros to a multiple of dp_size):
+
+1. backward's all-reduce becomes a reduce-scatter: dp rank r receives the averaged gradient of
+   shard r only, the other shards of its buffer are left as they were;
+2. rank r updates shard r of the parameters with AdamW, whose moments exist for shard r only;
+3. an all-gather brings every rank every updated shard.
+
+A ring all-reduce is a reduce-scatter followed by an all-gather, so the bytes on the wire are those
+of step 6: the memory is saved for free. The fp32 parameters themselves stay whole on every rank
+(this course trains fp32 weights under autocast); with bf16 weights, the fp32 master copy would be
+sharded the same way, 4 more bytes per parameter.
+
+The optimizer is PyTorch's AdamW, given views: for each parameter, the run of its elements that
+falls in this rank's shard, with the matching run of the gradient buffer as its `.grad`. Its math
+is elementwise, so updating pieces gives exactly the update of the whole parameter.
+
+A tied embedding under pipeline parallelism (step 7) has a copy on the first and on the last stage,
+whose gradients are summed. Each copy gets a bucket of its own, so both are cut at the same places
+and dp rank r of one stage holds the same elements as dp rank r of the other: summing the two
+shards over the embedding group sums the gradient.
+
+Checkpoints keep step 9's format: at save time each moment is put together whole from its shards
+through the same buffers (an all-gather, like the parameters), and at load time each rank takes
+its piece of it, so a run resumes in any layout, dp_size and bucket size.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data_parallel import Bucket, DataParallelBucket
+from tensor_parallel import is_sharded
+
+MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
+
+
+class ShardedBucket(Bucket):
+    """A bucket of step 6 whose flat fp32 buffer is split into dp_size equal shards: reduce-scatter
+    instead of all-reduce, and after the update the same buffer carries the parameters back."""
+
+    def __init__(self, params, dp_group):
+        dp_size, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        numel = sum(p.numel() for p in params)
+        shard_size = -(-numel // dp_size)  # ceil: the buffer is padded to dp_size shards
+        device = params[0].device
+        grad_data = torch.zeros(dp_size * shard_size, dtype=torch.float32, device=device)
+        super().__init__(params, grad_data, dp_group)
+        self.start, self.end = dp_rank * shard_size, (dp_rank + 1) * shard_size  # this rank's
+        self.grad_shard = grad_data[self.start : self.end]
+        self.offsets, offset = [], 0  # (param, where its elements start in the buffer)
+        for param in params:
+            assert param.is_contiguous() and param.dtype == torch.float32
+            param.main_grad = grad_data[offset : offset + param.numel()].view_as(param)
+            self.offsets.append((param, offset))
+            offset += param.numel()
+
+    def sync_gradient(self):
+        """Start the reduce-scatter and return at once. The output is this rank's shard of the
+        input buffer itself: each rank's sum lands in place, with no second buffer."""
+        assert self.handle is None
+        self.grad_data /= self.dp_size
+        self.handle = dist.reduce_scatter_single(
+            self.grad_shard, self.grad_data, group=self.dp_group, async_op=True
+        )
+
+    def in_shard(self):
+        """(param, first, lo, hi) for each parameter with elements in this rank's shard: buffer
+        elements lo to hi, which are the flattened parameter's elements from `first` on."""
+        for param, offset in self.offsets:
+            lo, hi = max(offset, self.start), min(offset + param.numel(), self.end)
+            if lo < hi:
+                yield param, lo - offset, lo, hi
+
+    def start_all_gather(self):
+        """The gradients have been used: this rank's shard of the buffer takes its updated
+        parameters, and the all-gather fills the rest of the buffer with the other ranks'."""
+        for param, first, lo, hi in self.in_shard():
+            self.grad_data[lo:hi] = param.view(-1)[first : first + hi - lo]
+        return dist.all_gather_single(self.grad_data, self.grad_shard, self.dp_group, async_op=True)
+
+    def copy_parameters_out(self):
+        for param, offset in self.offsets:
+            param.copy_(self.grad_data[offset : offset + param.numel()].view_as(param))
+
+
+class ShardedBucketManager:
+    """Step 6's buckets, in the same order (that of backward), each split over the dp ranks."""
+
+    def __init__(self, params, dp_group, bucket_size, alone=None):
+        """`alone`: a parameter given a bucket of its own (the tied embedding's copy)."""
+        groups, size = [[]], 0
+        for param in reversed(params):
+            full = size + param.numel() * 4 > bucket_size  # 4 bytes: fp32 gradients
+            if groups[-1] and (full or param is alone or groups[-1][-1] is alone):
+                groups, size = [*groups, []], 0
+            groups[-1].append(param)
+            size += param.numel() * 4
+        self.buckets = [ShardedBucket(group, dp_group) for group in groups]
+        self.bucket_of = {param: i for i, group in enumerate(groups) for param in group}
+
+    def mark_ready(self, param):
+        self.buckets[self.bucket_of[param]].mark_ready(param)
+
+    def wait(self):
+        for bucket in self.buckets:  # in a fixed order on every rank, as in step 6
+            bucket.wait()
+
+    def reset(self):
+        for bucket in self.buckets:
+            bucket.reset()
+
+
+class DataParallelZero1(DataParallelBucket):
+    """Data parallelism with the optimizer sharded: step 6's buckets reduce-scattered during
+    backward; the optimizer holds only this rank's shard (`shard`), clipped by the whole model's
+    norm (`clip_grad_norm`); `all_gather_parameters` after the update. `tied_weight`: this
+    stage's copy of a tied embedding split between stages, or None."""
+
+    def __init__(self, module, dp_group, bucket_size_mb=25, tied_weight=None):
+        nn.Module.__init__(self)  # DataParallelBucket's own buckets would all-reduce
+        self.module, self.dp_group = module, dp_group
+        self.require_backward_grad_sync = True
+        params = [p for p in module.parameters() if p.requires_grad]
+        bucket_size = int(bucket_size_mb * 2**20)
+        self.bucket_manager = ShardedBucketManager(params, dp_group, bucket_size, tied_weight)
+        self.pieces = {}  # param: (the optimizer's view of its run in this rank's shard, first)
+        self.launched_in_backward = 0
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulate_grad)
+        # Tensor-parallel slices, whose squares the norm sums over tp (the others are replicated).
+        self.tp_sharded = {
+            id(param) for m in module.modules() if is_sharded(m) for param in m.parameters(False)
+        }
+
+    def finish_gradient_synchronization(self):
+        """Wait for every bucket's reduce-scatter. No parameter gets a `.grad`: only this rank's
+        shard of each gradient is averaged, and the optimizer reads it through `shard`."""
+        self.launched_in_backward = sum(b.handle is not None for b in self.bucket_manager.buckets)
+        self.bucket_manager.wait()
+
+    def shard(self, params):
+        """What the optimizer updates of `params` on this rank: a view of each run of their
+        elements in this rank's shard, its averaged gradient as `.grad`."""
+        wanted, pieces = {id(p) for p in params}, []
+        for bucket in self.bucket_manager.buckets:
+            for param, first, lo, hi in bucket.in_shard():
+                if id(param) in wanted:
+                    piece = param.detach().view(-1)[first : first + hi - lo]
+                    piece.grad = bucket.grad_data[lo:hi]
+                    pieces.append(piece)
+                    self.pieces[param] = (piece, first)
+        return pieces
+
+    def sum_tied_gradients(self, tied):
+        """Step 9's TiedEmbeddings.sum_gradients on shards: the copy's bucket holds it alone, on
+        both stages the same size, so this rank's shard sums with the same shard of the other."""
+        if tied.weight is None:
+            return
+        bucket = self.bucket_manager.buckets[self.bucket_manager.bucket_of[tied.weight]]
+        assert [param for param, _ in bucket.offsets] == [tied.weight]
+        dist.all_reduce(bucket.grad_shard, group=tied.group)
+
+    def clip_grad_norm(self, max_norm, pgm, tied):
+        """Clip by the whole model's gradient norm, though each rank holds only its shard of the
+        gradient: the shards' squares summed over dp give this (pp, tp) rank's, then as in step 9
+        tensor-parallel slices are summed over tp (replicated weights counted once) and the
+        stages over pp; a tied embedding's last-stage copy is left out (counted once)."""
+        buckets = self.bucket_manager.buckets
+        counted = {id(param) for param in tied.counted.parameters()}
+        squares = torch.zeros(2, device=buckets[0].grad_data.device)  # tp-sharded, replicated
+        for bucket in buckets:
+            for param, _, lo, hi in bucket.in_shard():
+                if id(param) not in counted:
+                    continue
+                kind = 0 if id(param) in self.tp_sharded else 1
+                squares[kind] += bucket.grad_data[lo:hi].pow(2).sum()
+        dist.all_reduce(squares, group=self.dp_group)  # the group it is sharded over
+        sharded, replicated = squares.unbind()
+        dist.all_reduce(sharded, group=pgm.tp_group)
+        total = sharded + replicated
+        dist.all_reduce(total, group=pgm.pp_group)
+        total_norm = total.sqrt()
+        clip = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils does
+        for bucket in buckets:
+            bucket.grad_shard.mul_(clip)  # the shard: the gradients this rank updates with
+        return total_norm
+
+    @torch.no_grad()
+    def all_gather_parameters(self):
+        """After optimizer.step(): every rank gets every shard of the updated parameters. All
+        buckets start at once; each one's parameters are copied out as soon as it arrives."""
+        handles = [bucket.start_all_gather() for bucket in self.bucket_manager.buckets]
+        for bucket, handle in zip(self.bucket_manager.buckets, handles, strict=True):
+            handle.wait()
+            bucket.copy_parameters_out()
+
+    @torch.no_grad()
+    def gather_optimizer_state(self, optimizer):
+        """For a checkpoint, on every dp rank: {parameter: its whole AdamW state}. Each moment is
+        put together from the shards through a buffer laid out like the bucket's, as the
+        parameters are. Holds every moment whole for the time of the save."""
+        states = list(optimizer.state.values())
+        assert states, "AdamW has no state before its first step"
+        whole = {}
+        for bucket in self.bucket_manager.buckets:
+            for moment in MOMENTS:
+                flat = torch.zeros_like(bucket.grad_data)
+                for param, _, lo, hi in bucket.in_shard():
+                    flat[lo:hi] = optimizer.state[self.pieces[param][0]][moment]
+                shard = flat[bucket.start : bucket.end].clone()
+                dist.all_gather_single(flat, shard, self.dp_group)
+                for param, offset in bucket.offsets:
+                    state = whole.setdefault(param, {"step": states[0]["step"].clone()})
+                    state[moment] = flat[offset : offset + param.numel()].view_as(param).clone()
+        return whole
+
+    @torch.no_grad()
+    def load_optimizer_state(self, optimizer, whole):
+        """The other way: from {parameter: its whole AdamW state}, this rank's pieces of it."""
+        state = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        position = {id(p): i for i, p in enumerate(params)}  # how state_dict() numbers them
+        for param, (piece, first) in self.pieces.items():
+            run = slice(first, first + piece.numel())
+            moments = {m: whole[param][m].reshape(-1)[run].clone() for m in MOMENTS}
+            state["state"][position[id(piece)]] = {"step": whole[param]["step"], **moments}
+        optimizer.load_state_dict(state)  # moves each tensor to its piece's device
+
+
+def optimizer_state_bytes(optimizer):
+    """The bytes of this rank's AdamW moments (exp_avg and exp_avg_sq)."""
+    return sum(
+        state[key].numel() * state[key].element_size()
+        for state in optimizer.state.values()
+        for key in MOMENTS
+        if key in state
+    )
