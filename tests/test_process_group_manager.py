@@ -25,6 +25,7 @@ def expected(rank, dp, pp, tp):
 
 
 def worker(rank, world, sizes, store_path, results):
+    sys.modules.pop("process_group_manager", None)  # forked: maybe another step's, imported last
     sys.path.insert(0, str(ROOT / "step2_process_group_manager"))
     from process_group_manager import ProcessGroupManager
 
@@ -52,7 +53,8 @@ def worker(rank, world, sizes, store_path, results):
 def test_grid_membership(tmp_path, tp, pp, dp):
     world = tp * pp * dp
     results = mp.Manager().dict()
-    mp.spawn(worker, args=(world, (tp, pp, dp), str(tmp_path / "store"), results), nprocs=world)
+    args = (world, (tp, pp, dp), str(tmp_path / "store"), results)
+    mp.start_processes(worker, args=args, nprocs=world, start_method="fork")  # torch imported
     for rank in range(world):
         want, got = expected(rank, dp, pp, tp), results[rank]
         assert got["coords"] == want["coords"], rank
