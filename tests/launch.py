@@ -7,9 +7,9 @@ run's; eight ranks and the launcher pay it nine times under torchrun, once here.
 
 Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) and runs SCRIPT as `__main__` with ARGS. When one exits with an error,
-the others are killed after a grace period, as torchrun does; the exit status is the first
-failure's. The tests that check torchrun's own behaviour (restarts, two launchers, its banner)
-keep torchrun."""
+the others get SIGTERM at once and SIGKILL after a grace period, as torchrun does; the exit status
+is the first failure's. The tests that check torchrun's own behaviour (restarts, two launchers,
+its banner) keep torchrun."""
 
 import os
 import runpy
@@ -25,7 +25,7 @@ import torch.distributed  # noqa: F401
 import transformers
 from transformers import AutoTokenizer, LlamaConfig  # noqa: F401  (the lazy modules, loaded)
 
-GRACE = 30  # seconds the others get to exit on their own after a failure
+GRACE = 30  # seconds between SIGTERM and SIGKILL for the others after a failure
 
 
 def free_port():
@@ -99,6 +99,8 @@ def main(argv):
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code  # killed by a signal: 128 + its number
             print(f"launch.py: rank {rank} exited with {code}", file=sys.stderr)
+            for other in pids:
+                os.kill(other, signal.SIGTERM)
             deadline = time.monotonic() + GRACE
     return status
 
