@@ -61,15 +61,42 @@ import convergence  # noqa: E402
 convergence.TORCHRUN = LAUNCH  # the layouts of the convergence tests start the same way
 
 
+@pytest.fixture(scope="session", autouse=True)
+def launch_server(tmp_path_factory):
+    """tests/launch.py's server: torch, transformers and datasets imported once for the session,
+    every run forked from there."""
+    path = tmp_path_factory.mktemp("launch") / "server.sock"
+    log = path.with_name("server.log")
+    with open(log, "w") as output:
+        server = subprocess.Popen(
+            [*LAUNCH, "--serve", str(path)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=output,
+        )
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        assert server.poll() is None, f"the launch server ended: {log.read_text()}"
+        assert time.monotonic() < deadline, "the launch server did not start in 300 s"
+        time.sleep(0.1)
+    os.environ["PICO3D_LAUNCH_SERVER"] = str(path)
+    yield path
+    del os.environ["PICO3D_LAUNCH_SERVER"]
+    server.kill()
+    server.wait()
+
+
 def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=True):
-    """Run step/train.py with `nproc` processes, as torchrun starts them (`fork`: through
-    tests/launch.py; otherwise torchrun itself; `torchrun=False`: plain python); returns the
-    CompletedProcess."""
+    """Run step/train.py with `nproc` processes, as torchrun starts them (`torchrun=False`: one,
+    as plain python does), forked by tests/launch.py (`fork=False`: started by torchrun or python
+    themselves); returns the CompletedProcess."""
     script = str(ROOT / step / "train.py")
     if torchrun:
         command = [*(LAUNCH if fork else TORCHRUN), f"--nproc_per_node={nproc}", script, *args]
     else:
-        command = [sys.executable, script, *args]
+        command = [*LAUNCH, "--python"] if fork else [sys.executable]
+        command = [*command, script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT

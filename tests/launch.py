@@ -1,16 +1,25 @@
-"""A launcher for the tests that does what `torchrun --standalone --nproc_per_node N` does for a
-step's train.py, but imports torch, transformers and datasets once and forks the N processes from
-there. On a 2-core machine importing them takes a process about 4 s of CPU, most of a two-step
-run's; eight ranks and the launcher pay it nine times under torchrun, once here.
+"""A launcher for the tests that does what `torchrun --standalone --nproc_per_node N` (or plain
+`python`) does for a script of this repository, without importing torch, transformers and datasets
+again for every run: on a 2-core machine that import takes about 10 s of CPU, most of a two-step
+run's.
 
-    python tests/launch.py --nproc_per_node N [--nnodes 1] SCRIPT ARGS...
+    python tests/launch.py [--nproc_per_node N] [--python] SCRIPT ARGS...
 
-Each process gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) and runs SCRIPT as `__main__` with ARGS. When one exits with an error,
-the others get SIGTERM at once and SIGKILL after a grace period, as torchrun does; the exit status
-is the first failure's. The tests that check torchrun's own behaviour (restarts, two launchers,
-its banner) keep torchrun."""
+Each of the N processes gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and runs SCRIPT as `__main__` with ARGS; `--python`
+runs one process without that environment, as `python SCRIPT ARGS` does. When one exits with an
+error, the others get SIGTERM at once and SIGKILL after a grace period, as torchrun does; the exit
+status is the first failure's. The tests that check torchrun's own behaviour (restarts, two
+launchers, its banner) use torchrun itself.
 
+With PICO3D_LAUNCH_SERVER naming the socket of a server (`python tests/launch.py --serve PATH`,
+which the tests start once), this process only hands its command line, folder, environment,
+stdout and stderr to the server and waits: the server has imported the libraries once, and forks
+a launcher for the request, which forks the ranks. A launcher whose client has gone (killed on a
+timeout) kills its ranks. Without a server, this process imports the libraries itself, then forks.
+"""
+
+import json
 import os
 import runpy
 import signal
@@ -18,14 +27,19 @@ import socket
 import sys
 import time
 
-import datasets  # noqa: F401  (imported once, here, before the fork)
-import safetensors.torch  # noqa: F401
-import torch
-import torch.distributed  # noqa: F401
-import transformers
-from transformers import AutoTokenizer, LlamaConfig  # noqa: F401  (the lazy modules, loaded)
-
 GRACE = 30  # seconds between SIGTERM and SIGKILL for the others after a failure
+SERVER = "PICO3D_LAUNCH_SERVER"
+
+
+def preload():
+    """What every step's train.py imports that takes long: imported once, before any fork."""
+    import datasets  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import transformers
+    from transformers import AutoTokenizer, LlamaConfig  # noqa: F401  (the lazy modules, loaded)
+
+    transformers.logging.set_verbosity_error()
 
 
 def free_port():
@@ -35,15 +49,18 @@ def free_port():
 
 
 def child(script, args, rank, world):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    if world:  # under torchrun's environment; world 0: plain python
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+        )
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    import torch
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     code = 0
     try:
@@ -62,27 +79,39 @@ def child(script, args, rank, world):
     os._exit(code)
 
 
-def main(argv):
-    world, nnodes = 1, 1
+def parse(argv):
+    argv, world = list(argv), 1
     while argv and argv[0].startswith("--"):
         key, _, value = argv.pop(0).lstrip("-").partition("=")
+        if key == "python":
+            world = 0
+            continue
+        if key == "standalone":
+            continue
         value = value or argv.pop(0)
         if key == "nproc_per_node":
             world = int(value)
         elif key == "nnodes":
-            nnodes = int(value)
-        elif key != "standalone":
+            assert int(value) == 1, "launch.py starts one node"
+        else:
             raise SystemExit(f"launch.py: unknown flag --{key}")
-    assert nnodes == 1, "launch.py starts one node"
-    script, args = argv[0], argv[1:]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    transformers.logging.set_verbosity_error()
+    return world, argv[0], argv[1:]
+
+
+def launch(argv, client=None):
+    """Fork the ranks of one command and wait for them; `client`: the server's connection, whose
+    end (the client killed) kills the ranks. Returns the exit status."""
+    world, script, args = parse(argv)
+    if world:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
-    for rank in range(world):
+    for rank in range(max(world, 1)):
         pid = os.fork()
         if pid == 0:
+            if client is not None:
+                client.close()
             child(script, args, rank, world)
         pids[pid] = rank
     status, deadline = 0, None
@@ -90,20 +119,90 @@ def main(argv):
         if deadline is not None and time.monotonic() > deadline:
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
-        pid, wait_status = os.waitpid(-1, os.WNOHANG) if deadline else os.waitpid(-1, 0)
+        if client is not None and client_gone(client):
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            time.sleep(0.1)
+            time.sleep(0.05)
             continue
         rank = pids.pop(pid)
         code = os.waitstatus_to_exitcode(wait_status)
         if code != 0 and status == 0:
             status = code if code > 0 else 128 - code  # killed by a signal: 128 + its number
-            print(f"launch.py: rank {rank} exited with {code}", file=sys.stderr)
+            if world:  # plain python says nothing of its own
+                print(f"launch.py: rank {rank} exited with {code}", file=sys.stderr, flush=True)
             for other in pids:
                 os.kill(other, signal.SIGTERM)
             deadline = time.monotonic() + GRACE
     return status
 
 
+def client_gone(connection):
+    try:
+        return connection.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+
+
+def serve(path):
+    """Import the libraries, then fork a launcher for every request on the socket `path`."""
+    preload()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the launchers are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # it exists once it accepts
+    while True:
+        connection, _ = listener.accept()
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
+        while not message.endswith(b"\n"):
+            message += connection.recv(1 << 20)
+        request = json.loads(message)
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this one waits for its ranks
+            os.setsid()
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            for fd in fds:
+                os.close(fd)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            code = 1
+            try:
+                code = launch(request["argv"], connection)
+            finally:
+                try:
+                    connection.sendall(f"{code}\n".encode())
+                finally:
+                    os._exit(0)
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def request(path, argv):
+    """Hand this command to the server and wait for its exit status."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(path)
+    message = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}) + "\n"
+    socket.send_fds(connection, [message.encode()], [1, 2])
+    answer = b""
+    while not answer.endswith(b"\n"):
+        part = connection.recv(64)
+        if not part:
+            raise SystemExit("launch.py: the server ended without an exit status")
+        answer += part
+    return int(answer)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+    elif os.environ.get(SERVER) and os.path.exists(os.environ[SERVER]):
+        sys.exit(request(os.environ[SERVER], sys.argv[1:]))
+    else:
+        preload()
+        sys.exit(launch(sys.argv[1:]))

@@ -193,7 +193,8 @@ def launcher_output(result):
 
 def test_plain_python_prints_one_line_and_exits_2():
     start = time.monotonic()
-    result = run_step("step3_dataloader", ["--seq_len", "abc"], torchrun=False, timeout=120)
+    args = ["--seq_len", "abc"]
+    result = run_step("step3_dataloader", args, torchrun=False, timeout=120, fork=False)
     assert time.monotonic() - start < TIME_LIMIT
     assert result.returncode == 2
     assert result.stdout == ""

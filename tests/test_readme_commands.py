@@ -220,7 +220,7 @@ def argv(command, args):
         # torchrun's start on one node, the ranks forked from one import of the libraries.
         head = [*LAUNCH, *launcher]
     else:
-        head = [sys.executable]
+        head = [*LAUNCH, "--python"]  # as python runs it, forked from the same imports
     extra = overrides(command, args) if command.trains else []
     return [*head, script, *command.args, *extra]
 
