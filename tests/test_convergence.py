@@ -167,6 +167,21 @@ def test_unknown_bug_and_odd_accumulation_are_refused():
         convergence.default_layouts(3)
     with pytest.raises(ValueError, match="accumulation=3 is odd"):
         convergence.tied_layouts(3)
+    with pytest.raises(ValueError, match="accumulation=3 is odd"):
+        convergence.zero1_layouts(3)
+
+
+def test_zero1_and_cp_pick_their_steps_layouts(capsys):
+    for flag, step in [("--zero1", convergence.STEP10), ("--cp", convergence.STEP11)]:
+        _, layouts, _ = convergence.parse_args([flag, "--gradient_accumulation_steps", "4"])
+        assert layouts and {layout.step for layout in layouts} == {step}
+        for layout in layouts:  # the baseline's global batch: dp_size x accumulation = 4
+            flags = dict(zip(layout.flags[::2], layout.flags[1::2], strict=True))
+            assert int(flags.get("--dp_size", 1)) * layout.accumulation == 4, layout.name
+    for argv in [["--zero1", "--cp"], ["--zero1", "--bug", "dp_not_averaged"]]:
+        with pytest.raises(SystemExit):
+            convergence.parse_args(argv)
+    assert "give one of them" in capsys.readouterr().err
 
 
 def test_compare_flags_a_nan_and_a_missing_step():

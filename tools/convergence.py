@@ -14,6 +14,7 @@ shows from the first step.
     python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
                                                                # another layout (step 9)
     python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
+    python tools/convergence.py --zero1              # the sharded optimizer (step 10), in 3D too
     python tools/convergence.py --cp                 # context parallelism (step 11), in 4D too
 
 `inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP9 = "step9_3d_parallel"
+STEP10 = "step10_zero1"
 STEP11 = "step11_context_parallel"
 OVERRIDES = [
     "num_hidden_layers",
@@ -137,6 +139,22 @@ def tied_layouts(accumulation):
         Layout("tied_pp3_1f1b", "step8_pipeline_parallel_1f1b", 3, pp3, accumulation),
         Layout("tied_tp2_pp2_afab", "step8_pipeline_parallel_1f1b", 4, tp2_pp2, accumulation),
         Layout("tied_tp2_dp2_pp2", STEP9, 8, (*grid, "--bucket_size_mb", "0.05"), half),
+    ]
+
+
+def zero1_layouts(accumulation):
+    """Step 10's layouts: the optimizer state sharded over 2 dp ranks, alone, with tp 2, and in
+    3D (small buckets, so that shards cut parameters)."""
+    if accumulation % 2:
+        raise ValueError(
+            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+        )
+    dp2 = ("--dp_size", "2", "--bucket_size_mb", "0.05")
+    grid = (*dp2, "--tp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+    return [
+        Layout("zero1_dp2", STEP10, 2, dp2, accumulation // 2),
+        Layout("zero1_tp2_dp2", STEP10, 4, (*dp2, "--tp_size", "2"), accumulation // 2),
+        Layout("zero1_tp2_dp2_pp2", STEP10, 8, grid, accumulation // 2),
     ]
 
 
@@ -450,6 +468,7 @@ def parse_args(argv):
     names = [layout.name for layout in default_layouts(2)]
     tied_names = [layout.name for layout in tied_layouts(2)]
     cp_names = [layout.name for layout in cp_layouts(2)]
+    zero1_names = [layout.name for layout in zero1_layouts(2)]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="flags after -- go to every train.py: -- --dataset_name roneneldan/TinyStories",
@@ -459,7 +478,8 @@ def parse_args(argv):
     parser.add_argument(
         "--layouts",
         help=f"comma-separated, default all: {','.join(names)} (with --tied: "
-        f"{','.join(tied_names)}; with --cp: {','.join(cp_names)})",
+        f"{','.join(tied_names)}; with --cp: {','.join(cp_names)}; with --zero1: "
+        f"{','.join(zero1_names)})",
     )
     parser.add_argument(
         "--bug",
@@ -478,6 +498,9 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--cp", action="store_true", help="run step 11's context-parallel layouts instead"
+    )
+    parser.add_argument(
+        "--zero1", action="store_true", help="run step 10's sharded-optimizer layouts instead"
     )
     for name in OVERRIDES:
         parser.add_argument(f"--{name}", type=int)
@@ -501,16 +524,21 @@ def parse_args(argv):
         f"layout, the rest in another from its checkpoint",
     )
     args = parser.parse_args(argv)
-    if args.tied and args.cp:
-        parser.error("--tied and --cp pick different layouts: give one of them")
-    if args.bug and args.cp:
-        parser.error(f"--bug {args.bug} breaks {BUGS[args.bug][0]}, not a --cp layout: no --cp")
+    if args.tied + args.cp + args.zero1 > 1:
+        parser.error("--tied, --cp and --zero1 pick different layouts: give one of them")
+    for flag in ["cp", "zero1"]:
+        if args.bug and getattr(args, flag):
+            parser.error(
+                f"--bug {args.bug} breaks {BUGS[args.bug][0]}, not a --{flag} layout: no --{flag}"
+            )
     kind = tied_layouts if args.tied else cp_layouts if args.cp else default_layouts
+    kind = zero1_layouts if args.zero1 else kind
     try:
         layouts = kind(args.gradient_accumulation_steps)
     except ValueError as error:
         parser.error(str(error))
     names = tied_names if args.tied else cp_names if args.cp else names
+    names = zero1_names if args.zero1 else names
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - set(names))
