@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 
+USAGE = "usage: python tests/launch.py [--nproc_per_node N] [--python] SCRIPT ARGS..."
 GRACE = 30  # seconds between SIGTERM and SIGKILL for the others after a failure
 SERVER = "PICO3D_LAUNCH_SERVER"
 
@@ -79,6 +80,11 @@ def child(script, args, rank, world):
     os._exit(code)
 
 
+def usage_error(message):
+    print(f"launch.py: {message}\n{USAGE}", file=sys.stderr)
+    sys.exit(2)
+
+
 def parse(argv):
     argv, world = list(argv), 1
     while argv and argv[0].startswith("--"):
@@ -88,13 +94,15 @@ def parse(argv):
             continue
         if key == "standalone":
             continue
+        if key not in ("nproc_per_node", "nnodes") or not (value or argv):
+            usage_error(f"unknown or incomplete flag --{key}")
         value = value or argv.pop(0)
         if key == "nproc_per_node":
             world = int(value)
         elif key == "nnodes":
             assert int(value) == 1, "launch.py starts one node"
-        else:
-            raise SystemExit(f"launch.py: unknown flag --{key}")
+    if not argv:
+        usage_error("no script to run")
     return world, argv[0], argv[1:]
 
 
