@@ -105,6 +105,15 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
     parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket size")
     parallel.add_argument(
+        "--dp_timeline",
+        nargs="?",
+        const="",
+        metavar="TRACE_JSON",
+        help="log how the buckets' all-reduces overlapped each step's backward; write the step "
+        "as a Chrome trace to TRACE_JSON (the flag alone: to save_dir/dp_timeline.json when "
+        "--save_dir is given)",
+    )
+    parallel.add_argument(
         "--pp_timeline",
         nargs="?",
         const="",
@@ -174,6 +183,12 @@ def parse_args(argv=None):
         parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     if args.pp_timeline == "" and args.save_dir:
         args.pp_timeline = str(Path(args.save_dir) / "pp_timeline.json")
+    if args.pp_timeline:
+        check_output_path("--pp_timeline", args.pp_timeline, folder=False)
+    if args.dp_timeline == "" and args.save_dir:
+        args.dp_timeline = str(Path(args.save_dir) / "dp_timeline.json")
+    if args.dp_timeline:
+        check_output_path("--dp_timeline", args.dp_timeline, folder=False)
     if args.profile and args.max_steps < 3:
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
@@ -377,6 +392,8 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     if args.pp_timeline is not None:
         report_schedule(schedule, len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
     model.finish_gradient_synchronization()
+    if args.dp_timeline is not None:
+        report_overlap(model, args.bucket_size_mb, args.dp_timeline)
     # The tied embedding's two copies, one gradient: after dp, before clipping
     model.sum_tied_gradients(tied)
     grad_norm = model.clip_grad_norm(args.grad_clip, pgm, tied)
@@ -389,6 +406,26 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     # loss is the mean over the whole batch.
     dist.all_reduce(total, group=pgm.dp_cp_group)
     return total.item() / (pgm.dp_size * pgm.cp_size), grad_norm.item()
+
+
+def report_overlap(model, bucket_size_mb, trace_path=""):
+    """How the buckets' collectives overlapped the backward that launched them, on this rank. With
+    a trace path, rank 0 also writes the step as a Chrome trace (chrome://tracing and
+    ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
+    timeline = model.timeline
+    backward, busy, during, waited = timeline.summary()
+    buckets = f"{len(timeline.sizes)} buckets of at most {bucket_size_mb:g} MB"
+    figures = (
+        f"backward {backward:.1f} ms | {timeline.collective}s in flight {busy:.1f} ms, "
+        f"{during:.0%} of that during backward | waited {waited:.1f} ms after it"
+    )
+    log(f"dp overlap: {buckets}, {model.launched_in_backward} launched in backward | {figures}")
+    if trace_path and dist.get_rank() == 0:
+        ranks = dist.get_world_size(model.dp_group)
+        title = f"{timeline.collective} over {ranks} ranks, {buckets}: {figures}"
+        trace = {"traceEvents": timeline.trace_events(), "otherData": {"title": title}}
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(trace_path).write_text(json.dumps(trace))
 
 
 def report_schedule(schedule, m, engine, pgm, trace_path=""):
@@ -605,6 +642,9 @@ def main(argv=None):
     pgm, device = setup_distributed(args)
     log(pgm, all_ranks=True)
     dtype = resolve_dtype(args.dtype, device)
+    if args.dp_timeline is not None and device.type == "cuda":
+        # NCCL completes a collective's future when it is queued, not when it has run.
+        raise ValueError("--dp_timeline times gloo's all-reduces on CPU; on CUDA use --profile DIR")
     set_seed(args.seed)
     config = load_config(args)
     checkpoint = checkpoint_to_resume(args, config)
@@ -617,7 +657,10 @@ def main(argv=None):
     step_fn = torch.compile(stage) if args.compile else stage
     # The wrapper averages gradients over dp x cp (the ranks with the same weights) and shards the
     # optimizer over them; checkpoints save the model itself, the optimizer state through it.
-    step_fn = DataParallelZero1(step_fn, pgm.dp_cp_group, args.bucket_size_mb, tied.weight)
+    timeline = args.dp_timeline is not None
+    step_fn = DataParallelZero1(
+        step_fn, pgm.dp_cp_group, args.bucket_size_mb, tied.weight, timeline
+    )
     optimizer, scheduler = build_optimizer(model, args, device, step_fn.shard)
     num_params = sum(p.numel() for p in model.parameters())
     log(

@@ -29,11 +29,13 @@ through the same buffers (an all-gather, like the parameters), and at load time 
 its piece of it, so a run resumes in any layout, dp_size and bucket size.
 """
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from data_parallel import Bucket, DataParallelBucket
+from data_parallel import Bucket, DataParallelBucket, OverlapTimeline
 from tensor_parallel import is_sharded
 
 MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
@@ -42,6 +44,8 @@ MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
 class ShardedBucket(Bucket):
     """A bucket of step 6 whose flat fp32 buffer is split into dp_size equal shards: reduce-scatter
     instead of all-reduce, and after the update the same buffer carries the parameters back."""
+
+    collective = "reduce-scatter"
 
     def __init__(self, params, dp_group):
         dp_size, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -121,7 +125,7 @@ class DataParallelZero1(DataParallelBucket):
     norm (`clip_grad_norm`); `all_gather_parameters` after the update. `tied_weight`: this
     stage's copy of a tied embedding split between stages, or None."""
 
-    def __init__(self, module, dp_group, bucket_size_mb=25, tied_weight=None):
+    def __init__(self, module, dp_group, bucket_size_mb=25, tied_weight=None, timeline=False):
         nn.Module.__init__(self)  # DataParallelBucket's own buckets would all-reduce
         self.module, self.dp_group = module, dp_group
         self.require_backward_grad_sync = True
@@ -130,6 +134,7 @@ class DataParallelZero1(DataParallelBucket):
         self.bucket_manager = ShardedBucketManager(params, dp_group, bucket_size, tied_weight)
         self.pieces = {}  # param: (the optimizer's view of its run in this rank's shard, first)
         self.launched_in_backward = 0
+        self.timeline = OverlapTimeline(self.bucket_manager.buckets) if timeline else None
         for param in params:
             param.register_post_accumulate_grad_hook(self._accumulate_grad)
         # Tensor-parallel slices, whose squares the norm sums over tp (the others are replicated).
@@ -141,7 +146,10 @@ class DataParallelZero1(DataParallelBucket):
         """Wait for every bucket's reduce-scatter. No parameter gets a `.grad`: only this rank's
         shard of each gradient is averaged, and the optimizer reads it through `shard`."""
         self.launched_in_backward = sum(b.handle is not None for b in self.bucket_manager.buckets)
+        start = time.time_ns()
         self.bucket_manager.wait()
+        if self.timeline is not None:
+            self.timeline.waited(start, time.time_ns())
 
     def shard(self, params):
         """What the optimizer updates of `params` on this rank: a view of each run of their

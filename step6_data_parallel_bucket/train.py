@@ -84,6 +84,15 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab")
     parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket size")
+    parallel.add_argument(
+        "--dp_timeline",
+        nargs="?",
+        const="",
+        metavar="TRACE_JSON",
+        help="log how the buckets' all-reduces overlapped each step's backward; write the step "
+        "as a Chrome trace to TRACE_JSON (the flag alone: to save_dir/dp_timeline.json when "
+        "--save_dir is given)",
+    )
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default="tinytales", help="assets/datasets/NAME or hub id")
     data.add_argument("--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME or hub")
@@ -128,6 +137,10 @@ def parse_args(argv=None):
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if not args.bucket_size_mb > 0:
         parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
+    if args.dp_timeline == "" and args.save_dir:
+        args.dp_timeline = str(Path(args.save_dir) / "dp_timeline.json")
+    if args.dp_timeline:
+        check_output_path("--dp_timeline", args.dp_timeline, folder=False)
     if args.profile and args.max_steps < 3:
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.resume and not args.save_dir:
@@ -286,12 +299,34 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
         loss.backward()
         total += loss.detach()
     model.finish_gradient_synchronization()
+    if args.dp_timeline is not None:
+        report_overlap(model, args.bucket_size_mb, args.dp_timeline)
     grad_norm = clip_grad_norm(model, args.grad_clip, pgm.tp_group)
     optimizer.step()
     scheduler.step()
     # Each replica saw its own share; the logged loss is the mean over the whole batch.
     dist.all_reduce(total, group=pgm.dp_group)
     return total.item() / pgm.dp_size, grad_norm.item()
+
+
+def report_overlap(model, bucket_size_mb, trace_path=""):
+    """How the buckets' collectives overlapped the backward that launched them, on this rank. With
+    a trace path, rank 0 also writes the step as a Chrome trace (chrome://tracing and
+    ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
+    timeline = model.timeline
+    backward, busy, during, waited = timeline.summary()
+    buckets = f"{len(timeline.sizes)} buckets of at most {bucket_size_mb:g} MB"
+    figures = (
+        f"backward {backward:.1f} ms | {timeline.collective}s in flight {busy:.1f} ms, "
+        f"{during:.0%} of that during backward | waited {waited:.1f} ms after it"
+    )
+    log(f"dp overlap: {buckets}, {model.launched_in_backward} launched in backward | {figures}")
+    if trace_path and dist.get_rank() == 0:
+        ranks = dist.get_world_size(model.dp_group)
+        title = f"{timeline.collective} over {ranks} ranks, {buckets}: {figures}"
+        trace = {"traceEvents": timeline.trace_events(), "otherData": {"title": title}}
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(trace_path).write_text(json.dumps(trace))
 
 
 @torch.no_grad()
@@ -398,13 +433,17 @@ def main(argv=None):
     pgm, device = setup_distributed(args)
     log(pgm, all_ranks=True)
     dtype = resolve_dtype(args.dtype, device)
+    if args.dp_timeline is not None and device.type == "cuda":
+        # NCCL completes a collective's future when it is queued, not when it has run.
+        raise ValueError("--dp_timeline times gloo's all-reduces on CPU; on CUDA use --profile DIR")
     set_seed(args.seed)
     config = load_config(args)
     model = build_model(config, device, args.seed, pgm)
     optimizer, scheduler = build_optimizer(model, args, device)
     step_fn = torch.compile(model) if args.compile else model
     # The wrapper averages gradients over dp; evaluation, sampling and checkpoints use the model.
-    step_fn = DataParallelBucket(step_fn, pgm.dp_group, args.bucket_size_mb)
+    timeline = args.dp_timeline is not None
+    step_fn = DataParallelBucket(step_fn, pgm.dp_group, args.bucket_size_mb, timeline)
     num_params = sum(p.numel() for p in model.parameters())
     log(
         f"model {args.model_name}: {num_params:,} parameters per rank on {device}, autocast {dtype}"

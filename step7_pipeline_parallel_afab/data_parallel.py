@@ -11,7 +11,11 @@ silently drift apart. `register_post_accumulate_grad_hook` runs after the additi
 The naive version sends one blocking all-reduce per parameter. The bucketed version groups the
 gradients into a few large buffers and sends each asynchronously as soon as it is complete, while
 backward goes on: fewer, larger messages, and communication hidden behind computation.
+`--dp_timeline` shows it: `OverlapTimeline` records when each bucket's all-reduce ran.
 """
+
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,15 +53,24 @@ class Bucket:
     """Parameters whose gradients live side by side in one flat fp32 buffer and are all-reduced
     together, by one asynchronous call, as soon as the last of them has its gradient."""
 
+    collective = "all-reduce"
+
     def __init__(self, params, grad_data, dp_group):
         self.params, self.grad_data, self.dp_group = set(params), grad_data, dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.ready, self.handle = set(), None
+        self.timeline = None  # an OverlapTimeline, with --dp_timeline
 
     def mark_ready(self, param):
         self.ready.add(param)
         if len(self.ready) == len(self.params):
-            self.sync_gradient()
+            self.launch()
+
+    def launch(self):
+        start = time.time_ns()
+        self.sync_gradient()
+        if self.timeline is not None:
+            self.timeline.launched(self, start)
 
     def sync_gradient(self):
         """Start the all-reduce and return at once: backward goes on computing other buckets'
@@ -68,7 +81,7 @@ class Bucket:
 
     def wait(self):
         if self.handle is None:  # some parameter got no gradient: send what there is now
-            self.sync_gradient()
+            self.launch()
         self.handle.wait()
 
     def reset(self):
@@ -119,13 +132,14 @@ class DataParallelBucket(nn.Module):
     bucket, and on the last micro-batch a full bucket starts its all-reduce at once, so the
     communication of late layers overlaps the backward of early ones."""
 
-    def __init__(self, module, dp_group, bucket_size_mb=25):
+    def __init__(self, module, dp_group, bucket_size_mb=25, timeline=False):
         super().__init__()
         self.module, self.dp_group = module, dp_group
         self.require_backward_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]
         self.bucket_manager = BucketManager(params, dp_group, int(bucket_size_mb * 2**20))
         self.launched_in_backward = 0  # buckets whose all-reduce started before backward ended
+        self.timeline = OverlapTimeline(self.bucket_manager.buckets) if timeline else None
         for param in params:
             param.register_post_accumulate_grad_hook(self._accumulate_grad)
 
@@ -137,12 +151,17 @@ class DataParallelBucket(nn.Module):
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.require_backward_grad_sync:
+            if self.timeline is not None:
+                self.timeline.gradient_ready()
             self.bucket_manager.mark_ready(param)
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's all-reduce, then hand the averaged gradients to the optimizer."""
         self.launched_in_backward = sum(b.handle is not None for b in self.bucket_manager.buckets)
+        start = time.time_ns()
         self.bucket_manager.wait()
+        if self.timeline is not None:
+            self.timeline.waited(start, time.time_ns())
         for param in self.bucket_manager.bucket_of:
             same_dtype = param.main_grad.dtype == param.dtype
             param.grad = param.main_grad if same_dtype else param.main_grad.to(param.dtype)
@@ -150,3 +169,85 @@ class DataParallelBucket(nn.Module):
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
         self.bucket_manager.reset()
+        if self.timeline is not None:
+            self.timeline.reset()
+
+
+### begin Overlap timeline
+class OverlapTimeline:
+    """When, in the backward that synchronises the gradients, the first and the last gradient were
+    ready, when each bucket's all-reduce was launched and when it finished, and how long the step
+    then waited for the last ones: what `--dp_timeline` writes. Wall-clock nanoseconds; a finish
+    is stamped by a thread that waits on the collective (gloo's wait returns when it is done;
+    NCCL's when it is queued on the GPU, hence CPU only)."""
+
+    def __init__(self, buckets):
+        self.index = {id(bucket): i for i, bucket in enumerate(buckets)}
+        self.collective = buckets[0].collective
+        self.sizes = [
+            bucket.grad_data.numel() * bucket.grad_data.element_size() for bucket in buckets
+        ]
+        for bucket in buckets:
+            bucket.timeline = self
+        self.reset()
+
+    def reset(self):
+        self.first = self.last = self.wait = None
+        self.spans, self.pending = [], []  # (bucket, launched, finished); the waiting threads
+
+    def gradient_ready(self):
+        self.last = time.time_ns()
+        self.first = self.first or self.last
+
+    def launched(self, bucket, start):
+        index, handle = self.index[id(bucket)], bucket.handle
+
+        def finished():
+            handle.wait()
+            self.spans.append((index, start, time.time_ns()))
+
+        self.pending.append(threading.Thread(target=finished))
+        self.pending[-1].start()
+
+    def waited(self, start, end):
+        self.wait = (start, end)
+        for thread in self.pending:
+            thread.join()
+        # A thread may wake late on a busy machine; every collective was done when the wait was.
+        self.spans = [(index, begin, min(finish, end)) for index, begin, finish in self.spans]
+
+    def summary(self):
+        """(ms of backward, ms during which some bucket was communicating, the fraction of that
+        time within backward, ms waited after backward)."""
+        busy = during = 0
+        reach = self.first  # the time up to which communication is already counted
+        for _, start, end in sorted(self.spans, key=lambda span: span[1]):
+            start = max(start, reach)
+            if end > start:
+                busy += end - start
+                during += max(0, min(end, self.last) - start)
+                reach = end
+        ms = lambda ns: ns / 1e6
+        hidden = during / busy if busy else 1.0
+        return ms(self.last - self.first), ms(busy), hidden, ms(self.wait[1] - self.wait[0])
+
+    def trace_events(self):
+        """A Chrome trace: one track for the backward and the wait after it, one per bucket."""
+        spans = [(0, "backward (first to last gradient)", "backward", self.first, self.last)]
+        spans.append((0, f"waiting for the {self.collective}s", "wait", *self.wait))
+        for index, start, end in self.spans:
+            size = f"{self.sizes[index] / 2**20:.2f} MB"
+            spans.append((index + 1, f"{self.collective} {size}", self.collective, start, end))
+        origin = min(start for *_, start, _ in spans)
+        events = [
+            dict(name=name, cat=category, ph="X", ts=(start - origin) // 1000,
+                 dur=(end - start) // 1000, pid=0, tid=track)
+            for track, name, category, start, end in spans
+        ]  # fmt: skip
+        names = ["backward"] + [f"bucket {i}" for i in range(len(self.sizes))]
+        for track, name in enumerate(names):
+            events.append(dict(name="thread_name", ph="M", pid=0, tid=track, args={"name": name}))
+        return events
+
+
+### end Overlap timeline

@@ -180,13 +180,14 @@ def forward_step(model, inputs, shape, pgm, device):
 class Schedule:
     """What a stage did during one step: the order of its forwards and backwards (the timeline,
     F1 F2 B1 ...), the peak number of micro-batches whose activations it held at once, and when
-    each ran, the rest of the step being the bubble (sending, receiving and waiting)."""
+    each ran, the rest of the step being the bubble; within the bubble, when the stage was held
+    up by a send or by a receive (waiting for a neighbour)."""
 
     def __init__(self):
         self.timeline, self.in_flight, self.peak_in_flight = [], 0, 0
         # (kind, micro-batch, start, end) in nanoseconds of the wall clock, which every rank of a
         # machine shares, so that the stages' spans line up in one picture.
-        self.spans, self.start = [], time.time_ns()
+        self.spans, self.messages, self.start = [], [], time.time_ns()
 
     @contextmanager
     def run(self, kind, k):
@@ -197,22 +198,34 @@ class Schedule:
         self.in_flight += 1 if kind == "F" else -1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
+    @contextmanager
+    def blocked(self, kind, active=True):
+        """The stage waits on a "send" or a "receive" (when `active`: a stage with no neighbour
+        on that side does not)."""
+        start = time.time_ns()
+        yield
+        if active:
+            self.messages.append((kind, None, start, time.time_ns()))
+
     def bubble(self):
         busy = sum(end - start for _, _, start, end in self.spans)
         return 1.0 - busy / (time.time_ns() - self.start)
 
     def trace_events(self, stage, end):
         """This stage's step as Chrome trace events (microseconds, one track per stage): a span
-        per forward and backward, and one per gap between them, where the stage sent, received
-        or waited for a neighbour."""
+        per forward, backward, blocking send and receive, and one per gap left between them
+        (the loop itself: posting messages, the loss)."""
         events, previous = [], self.start
-        for kind, k, start, stop in [*self.spans, ("wait", None, end, end)]:
+        spans = sorted([*self.spans, *self.messages], key=lambda span: span[2])
+        for kind, k, start, stop in [*spans, ("end", None, end, end)]:
             if start > previous:
-                events.append(span("send/recv/wait", "wait", previous, start, stage))
-            if kind != "wait":
+                events.append(span("other", "other", previous, start, stage))
+            if kind in ("F", "B"):
                 name, category = f"{kind}{k + 1}", "forward" if kind == "F" else "backward"
                 events.append(span(name, category, start, stop, stage, micro_batch=k + 1))
-            previous = stop
+            elif kind != "end":
+                events.append(span(kind, kind, start, stop, stage))
+            previous = max(previous, stop)
         return events
 
 
@@ -229,8 +242,10 @@ def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
     """All forward, then all backward. Every stage holds the activations of every micro-batch
     until its backward. Returns the step's loss on the last stage (zero on the others)."""
     held, total = [], torch.zeros((), device=device)
+    first, last = pgm.pp_is_first_stage, pgm.pp_is_last_stage
     for k, (inputs, targets) in enumerate(micro_batches):
-        x = inputs if pgm.pp_is_first_stage else recv_forward(shape, pgm, device)
+        with schedule.blocked("receive", not first):
+            x = inputs if first else recv_forward(shape, pgm, device)
         with (
             schedule.run("F", k),
             torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
@@ -241,15 +256,18 @@ def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
                 # those of one process with the same accumulation, not m times larger.
                 y = loss_fn(y, targets) / len(micro_batches)
                 total += y.detach()
-        send_forward(y, pgm)
+        with schedule.blocked("send", not last):
+            send_forward(y, pgm)
         held.append((x, y))
     for k, (x, y) in enumerate(held):
         # Data-parallel gradients are averaged once, during the step's last backward.
         model.require_backward_grad_sync = k == len(held) - 1
-        grad = recv_backward(shape, pgm, device)
+        with schedule.blocked("receive", not last):
+            grad = recv_backward(shape, pgm, device)
         with schedule.run("B", k):
             torch.autograd.backward(y, grad_tensors=grad)
-        send_backward(x.grad, pgm)
+        with schedule.blocked("send", not first):
+            send_backward(x.grad, pgm)
     return total
 
 
@@ -274,16 +292,18 @@ def train_step_1f1b(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
     sending = {"forward": None, "backward": None}
 
     def send(direction, tensor, peer):
-        if sending[direction] is not None:
-            sending[direction].wait()
-        sending[direction] = Send(tensor, peer)
+        with schedule.blocked("send"):
+            if sending[direction] is not None:
+                sending[direction].wait()
+            sending[direction] = Send(tensor, peer)
 
     def forward(k):
         nonlocal next_input
         inputs, targets = micro_batches[k]
         x = None
         if not first:
-            x = next_input.wait().requires_grad_()
+            with schedule.blocked("receive"):
+                x = next_input.wait().requires_grad_()
             next_input = Recv(shape, pgm.pp_prev_rank, device) if k + 1 < m else None
         with (
             schedule.run("F", k),
@@ -300,7 +320,8 @@ def train_step_1f1b(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
     def backward():
         nonlocal backwards
         k, x, y = held.popleft()  # the oldest micro-batch: its gradient comes back first
-        grad = None if last else Recv(shape, pgm.pp_next_rank, device).wait()
+        with schedule.blocked("receive", not last):
+            grad = None if last else Recv(shape, pgm.pp_next_rank, device).wait()
         model.require_backward_grad_sync = backwards == m - 1  # dp sync on the last backward
         backwards += 1
         with schedule.run("B", k):
@@ -315,9 +336,10 @@ def train_step_1f1b(model, micro_batches, loss_fn, shape, pgm, device, dtype, sc
         backward()
     for _ in range(warmup):  # cool-down: the backwards left
         backward()
-    for last_send in sending.values():
-        if last_send is not None:
-            last_send.wait()
+    with schedule.blocked("send", any(sending.values())):
+        for last_send in sending.values():
+            if last_send is not None:
+                last_send.wait()
     return total
 
 

@@ -161,3 +161,23 @@ def _init_and_run(rank, step, world, store_path, fn, args):
     fn(rank, world, *args)
     dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
+
+
+def check_overlap_trace(trace, collective):
+    """--dp_timeline's trace of the last step: a track for the backward (then the wait for the
+    buckets) and one per bucket with its collective, launched in backward's order, the first
+    during backward (whether it also ends there depends on the other ranks, late when more ranks
+    than cores share the machine)."""
+    events = trace["traceEvents"]
+    names = [e["args"]["name"] for e in events if e["name"] == "thread_name"]
+    assert names[0] == "backward" and names[1:] == [f"bucket {i}" for i in range(len(names) - 1)]
+    assert len(names) > 2, names
+    spans = [e for e in events if e["ph"] == "X"]
+    backward, wait = (next(e for e in spans if e["cat"] == c) for c in ("backward", "wait"))
+    assert backward["ts"] == 0 and backward["dur"] <= wait["ts"]
+    buckets = sorted((e for e in spans if e["tid"] > 0), key=lambda e: e["tid"])
+    assert [e["tid"] for e in buckets] == list(range(1, len(names)))  # one span each
+    assert {e["cat"] for e in buckets} == {collective}
+    assert [e["ts"] for e in buckets] == sorted(e["ts"] for e in buckets)
+    assert buckets[0]["ts"] < backward["dur"]
+    assert max(e["ts"] + e["dur"] for e in buckets) <= wait["ts"] + wait["dur"] + 1

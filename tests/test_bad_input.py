@@ -127,7 +127,17 @@ CASES = [
     ),
     (S6, "--bucket_size_mb 0", "--bucket_size_mb must be above 0, got 0.0"),
     (S6, "--bucket_size_mb -5", "--bucket_size_mb must be above 0, got -5.0"),
+    (
+        S6,
+        "--dp_timeline {tmp}/a_folder",
+        "--dp_timeline {tmp}/a_folder is an existing folder; give a file",
+    ),
     (S8, "--pp_engine zigzag", "argument --pp_engine: invalid choice: 'zigzag'"),
+    (
+        S8,
+        "--pp_timeline {tmp}/a_file/trace.json",
+        "--pp_timeline {tmp}/a_file/trace.json: {tmp}/a_file is a file, so it cannot hold a file",
+    ),
     (S9, "--init_from_hf {tmp}/nothing", "--init_from_hf {tmp}/nothing: no such folder"),
     (S9, "--init_from_hf {tmp}/no_config", "--init_from_hf {tmp}/no_config: no config.json"),
     (S9, "--init_from_hf {tmp}/no_weights", "{tmp}/no_weights: no *.safetensors weights"),

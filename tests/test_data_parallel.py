@@ -1,10 +1,21 @@
 """Steps 5 and 6: data-parallel gradients against one process, against PyTorch's DDP, and against
 the well-known tensor-hook bug; the loader's split; the overlap; training like step 3."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
+from conftest import (
+    TINY,
+    assert_same_training,
+    check,
+    check_overlap_trace,
+    import_step,
+    read_log,
+    run_step,
+    spawn,
+)
 
 NAIVE, BUCKET = "step5_data_parallel_naive", "step6_data_parallel_bucket"
 
@@ -213,9 +224,13 @@ def baseline(tmp_path_factory):
 
 @pytest.mark.parametrize("step", [NAIVE, BUCKET])
 def test_dp2_trains_like_one_process(tmp_path, baseline, step):
-    extra = ["--dp_size", "2", "--bucket_size_mb", "0.05"] if step == BUCKET else ["--dp_size", "2"]
+    extra = ["--dp_size", "2"]
+    if step == BUCKET:  # several buckets; the timeline must not change a thing
+        extra += ["--bucket_size_mb", "0.05", "--dp_timeline", str(tmp_path / "dp.json")]
     records = train(step, tmp_path, "dp2", nproc=2, accumulation=2, extra=extra)
     assert_same_training(records, baseline)
+    if step == BUCKET:
+        check_overlap_trace(json.loads((tmp_path / "dp.json").read_text()), "all-reduce")
 
 
 def test_dp2_tp2_trains_like_one_process(tmp_path, baseline):

@@ -165,16 +165,21 @@ def test_1f1b_pp2_tp2_resumes_like_one_process(tmp_path, baseline):
     assert_same_training(resumed, baseline[0][10:])
 
 
-def test_timeline_flag_prints_each_stage_and_writes_a_trace(tmp_path):
+@pytest.mark.parametrize("engine", ["1f1b", "afab"])
+def test_timeline_flag_prints_each_stage_and_writes_a_trace(tmp_path, engine):
     trace = tmp_path / "timeline" / "pp.json"
-    args = [*TINY, "--max_steps", "1", "--pp_size", "2", "--pp_engine", "1f1b"]
+    args = [*TINY, "--max_steps", "1", "--pp_size", "2", "--pp_engine", engine]
     args += ["--pp_timeline", str(trace)]
     args += ["--gradient_accumulation_steps", "3", "--num_proc", "1", "--sample_tokens", "2"]
     result = check(run_step(ONE_F_ONE_B, args, nproc=2))
-    assert "pp stage 0 1f1b: F1 F2 B1 F3 B2 B3 | held at most 2" in result.stdout
-    assert "pp stage 1 1f1b: F1 B1 F2 B2 F3 B3 | held at most 1" in result.stdout
-    printed = [["F1", "F2", "B1", "F3", "B2", "B3"], ["F1", "B1", "F2", "B2", "F3", "B3"]]
-    check_pipeline_trace(json.loads(trace.read_text()), printed, engine="1f1b")
+    if engine == "1f1b":
+        printed = [["F1", "F2", "B1", "F3", "B2", "B3"], ["F1", "B1", "F2", "B2", "F3", "B3"]]
+    else:
+        printed = [["F1", "F2", "F3", "B1", "B2", "B3"]] * 2
+    for stage, held in enumerate([2, 1] if engine == "1f1b" else [3, 3]):
+        schedule = " ".join(printed[stage])
+        assert f"pp stage {stage} {engine}: {schedule} | held at most {held}" in result.stdout
+    check_pipeline_trace(json.loads(trace.read_text()), printed, engine=engine)
 
 
 def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
@@ -232,9 +237,11 @@ def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
 
 def check_pipeline_trace(trace, timelines, engine):
     """A Chrome trace with one named track per stage; on each, a forward and a backward span per
-    micro-batch in the printed order, and the gaps between them as waits: spans that follow each
-    other without overlap, from a clock shared by the stages (stage 1's first forward starts
-    after stage 0's has ended: it needs its output)."""
+    micro-batch in the printed order, a span for each blocking send and receive (stage 0 sends m
+    activations and receives m gradients, the last stage the other way round), and the gaps
+    between them as "other": spans that follow each other without overlap, from a clock shared
+    by the stages (stage 1's first receive ends after stage 0's first forward: it needs its
+    output)."""
     stages, m = len(timelines), len(timelines[0]) // 2
     assert trace["otherData"] == {"engine": engine, "pp_size": stages, "micro_batches": m}
     events = trace["traceEvents"]
@@ -242,15 +249,25 @@ def check_pipeline_trace(trace, timelines, engine):
     assert names == {s: f"stage {s}" for s in range(stages)}
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == set(range(stages)) and min(e["ts"] for e in spans) == 0
-    first_forward = []
+    rows = []
     for s in range(stages):
         row = sorted((e for e in spans if e["tid"] == s), key=lambda e: e["ts"])
         for before, after in pairwise(row):
             assert before["ts"] + before["dur"] <= after["ts"], (before, after)
-        compute = [e for e in row if e["cat"] != "wait"]
+        compute = [e for e in row if e["cat"] in ("forward", "backward")]
         assert [e["name"] for e in compute] == timelines[s]
-        assert {e["cat"] for e in compute} == {"forward", "backward"}
-        assert all(e["name"] == "send/recv/wait" for e in row if e["cat"] == "wait")
-        first_forward.append(next(e for e in compute if e["name"] == "F1"))
-    for earlier, later in pairwise(first_forward):
-        assert earlier["ts"] + earlier["dur"] <= later["ts"]
+        assert {e["cat"] for e in row} <= {"forward", "backward", "send", "receive", "other"}
+        receives = sum(e["cat"] == "receive" for e in row)
+        sends = sum(e["cat"] == "send" for e in row)
+        # Between two stages: m messages each way. 1F1B's sends do not block, except to wait
+        # for the one before and, once, for the last ones at the end of the step.
+        neighbours = (s > 0) + (s < stages - 1)
+        assert receives == m * neighbours
+        assert sends == m * neighbours + (engine == "1f1b")
+        rows.append(row)
+    for earlier, later in pairwise(rows):
+        forward = next(e for e in earlier if e["name"] == "F1")
+        receive = next(e for e in later if e["cat"] == "receive")
+        assert (
+            receive["ts"] + receive["dur"] >= forward["ts"] + forward["dur"] - 1
+        )  # 1 µs: rounding

@@ -6,8 +6,10 @@ import subprocess
 import sys
 import time
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ROOT, TINY, check, import_step, run_step
 
 ONE_F_ONE_B = "step8_pipeline_parallel_1f1b"
@@ -40,16 +42,22 @@ def test_profile_refuses_a_run_too_short_to_record():
 
 def schedule_trace(tmp_path):
     """A trace written the way train.py writes it, from two Schedules run in this process: stage
-    0 runs F1 F2 B1 B2, stage 1 F1 B1 F2 B2, with a pause between every two spans."""
+    0 runs F1 F2 B1 B2, stage 1 F1 B1 F2 B2; before every forward or backward, a pause of 2 ms,
+    spent blocked on a receive before the forwards and on nothing (the loop) before the
+    backwards, and after each backward 2 ms blocked on a send."""
     pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
     train = import_step(ONE_F_ONE_B, "train")
     stages = []
     for order in (["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]):
         schedule = pp.Schedule()
         for item in order:
-            time.sleep(0.002)
+            with schedule.blocked("receive", active=item[0] == "F"):
+                time.sleep(0.002)
             with schedule.run(item[0], int(item[1])):
                 time.sleep(0.003)
+            with schedule.blocked("send", active=item[0] == "B"):
+                if item[0] == "B":
+                    time.sleep(0.002)
         assert schedule.peak_in_flight == (2 if order[1] == "F1" else 1)
         stages.append(schedule.trace_events(len(stages), time.time_ns()))
     path = tmp_path / "trace.json"
@@ -63,18 +71,78 @@ def test_schedule_trace_has_every_span_and_the_waits_between(tmp_path):
     assert min(e["ts"] for e in spans) == 0
     for stage, expected in enumerate([["F1", "F2", "B1", "B2"], ["F1", "B1", "F2", "B2"]]):
         row = sorted((e for e in spans if e["tid"] == stage), key=lambda e: e["ts"])
-        # A wait before and after every forward and backward (each was preceded by a pause).
-        assert [e["name"] for e in row[1::2]] == expected
-        assert {e["cat"] for e in row[::2]} == {"wait"} and len(row) == 2 * len(expected) + 1
         for before, after in pairwise(row):
             assert before["ts"] + before["dur"] == after["ts"]  # the spans tile the step
-        assert all(2900 <= e["dur"] for e in row[1::2])  # microseconds
+        compute = [e for e in row if e["cat"] in ("forward", "backward")]
+        assert [e["name"] for e in compute] == expected
+        assert all(2900 <= e["dur"] for e in compute)  # microseconds
+        # What came before each forward or backward: a receive, or a gap (the loop itself).
+        # (Between two spans that follow each other in the code, the clock moves a few µs.)
+        long = [e for e in row if e["cat"] != "other" or e["dur"] > 100]
+        before = [long[long.index(e) - 1]["cat"] for e in compute]
+        assert before == ["receive" if e["cat"] == "forward" else "other" for e in compute]
+        sends = [e for e in row if e["cat"] == "send"]
+        assert len(sends) == 2 and all(1900 <= e["dur"] for e in sends)
+        assert all(1900 <= e["dur"] for e in row if e["cat"] == "receive")
+
+
+def overlap_trace(tmp_path):
+    """A dp trace written the way train.py writes it, from an OverlapTimeline fed by hand: a
+    backward of 25 ms whose two buckets are launched at 5 and 20 ms and take 10 ms each, the
+    second finishing 5 ms after backward, which the step then waits for."""
+    dp = import_step("step6_data_parallel_bucket", "data_parallel")
+
+    class Handle:  # a collective that takes 10 ms
+        def __init__(self):
+            self.done = time.time_ns() + 10_000_000
+
+        def wait(self):
+            time.sleep(max(0, self.done - time.time_ns()) / 1e9)
+
+    buckets = [
+        SimpleNamespace(grad_data=torch.zeros(numel), collective="all-reduce")
+        for numel in (2**18, 2**17)  # 1 MB and 0.5 MB of fp32
+    ]
+    timeline = dp.OverlapTimeline(buckets)
+    timeline.gradient_ready()
+    for bucket, pause in zip(buckets, [0.005, 0.015], strict=True):
+        time.sleep(pause)
+        bucket.handle = Handle()
+        timeline.launched(bucket, time.time_ns())
+    time.sleep(0.005)
+    timeline.gradient_ready()
+    start = time.time_ns()
+    for bucket in buckets:
+        bucket.handle.wait()
+    timeline.waited(start, time.time_ns())
+    backward, busy, during, waited = timeline.summary()
+    assert 24 <= backward < 35 and 19 <= busy < 30 and 4 <= waited < 15
+    assert during == pytest.approx((busy - waited) / busy, abs=0.1)
+    path = tmp_path / "dp.json"
+    path.write_text(json.dumps({"traceEvents": timeline.trace_events(), "otherData": {}}))
+    return path
+
+
+def test_overlap_trace_has_the_backward_and_each_bucket(tmp_path):
+    events = json.loads(overlap_trace(tmp_path).read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "backward", 1: "bucket 0", 2: "bucket 1"}
+    spans = {(e["tid"], e["cat"]): e for e in events if e["ph"] == "X"}
+    assert set(spans) == {(0, "backward"), (0, "wait"), (1, "all-reduce"), (2, "all-reduce")}
+    backward, wait = spans[0, "backward"], spans[0, "wait"]
+    first, second = spans[1, "all-reduce"], spans[2, "all-reduce"]
+    assert backward["ts"] == 0 and backward["ts"] + backward["dur"] <= wait["ts"]
+    assert first["name"] == "all-reduce 1.00 MB" and second["name"] == "all-reduce 0.50 MB"
+    assert first["ts"] + first["dur"] < backward["dur"]  # hidden behind backward
+    assert second["ts"] + second["dur"] > backward["dur"]  # finished while the step waited
+    assert all(9_500 <= e["dur"] for e in (first, second))  # microseconds
 
 
 def test_plot_timeline_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     trace, out = schedule_trace(tmp_path), tmp_path / "docs" / "timeline.png"
-    command = [sys.executable, str(ROOT / "tools" / "plot_timeline.py"), str(trace), str(trace)]
+    dp_trace = overlap_trace(tmp_path)  # a pipeline and a data-parallel panel, one time axis
+    command = [sys.executable, str(ROOT / "tools" / "plot_timeline.py"), str(trace), str(dp_trace)]
     result = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,6 +3,7 @@
 rank's optimizer state is 1/dp of the whole; the sharded state resumes exactly, and in another
 dp_size and bucket size too."""
 
+import json
 import re
 import shutil
 import sys
@@ -11,7 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, TINY, assert_same_training, check, read_log, run_step, spawn
+from conftest import (
+    ROOT,
+    TINY,
+    assert_same_training,
+    check,
+    check_overlap_trace,
+    read_log,
+    run_step,
+    spawn,
+)
 from torch import nn
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -112,15 +122,16 @@ def train(step, tmp, name, nproc, flags, accumulation, steps=12):
 def runs(tmp_path_factory):
     """Step 9 on one process, and step 10 at dp 2 (checkpoints at steps 6 and 12), dp 4 and, with
     tied embeddings (a copy on each of the two stages), tp 2 x dp 2 x pp 2 against step 9 tied on
-    one process; each pair with the same global batch."""
+    one process; each pair with the same global batch. dp 4 also writes its --dp_timeline."""
     tmp = tmp_path_factory.mktemp("zero1")
     grid = ["--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b"]
     save = ["--save_dir", str(tmp / "ckpt"), "--save_every", "6"]
     tied = ["--model_name", str(convergence.tied_config("tiny", tmp / "tied"))]
+    timeline = ["--dp_timeline", str(tmp / "dp4.json")]
     return {
         "reference": train("step9_3d_parallel", tmp, "reference", 1, [], ACCUMULATION),
         "dp2": train(STEP, tmp, "dp2", 2, ["--dp_size", "2", *save], ACCUMULATION // 2),
-        "dp4": train(STEP, tmp, "dp4", 4, ["--dp_size", "4"], ACCUMULATION // 4),
+        "dp4": train(STEP, tmp, "dp4", 4, ["--dp_size", "4", *timeline], ACCUMULATION // 4),
         "tied_reference": train("step9_3d_parallel", tmp, "tied", 1, tied, ACCUMULATION, 6),
         "3d_tied": train(STEP, tmp, "3d", 8, [*grid, *tied], ACCUMULATION // 2, steps=6),
         "save_dir": tmp / "ckpt",
@@ -149,6 +160,16 @@ def test_optimizer_state_falls_as_one_over_dp(runs, layout):
     for size in per_rank.values():
         assert abs(size - 8 * params / dp) < 8 * dp * tensors
     assert records[0]["optimizer_state_bytes"] == per_rank[0]
+
+
+def test_dp_timeline_shows_reduce_scatters_during_backward(runs):
+    stdout = runs["dp4"][2]
+    line = re.search(
+        r"dp overlap: (\d+) buckets of at most 0.05 MB, (\d+) launched in backward", stdout
+    )
+    assert line and int(line[1]) > 1 and int(line[2]) >= 1, stdout[-2000:]
+    trace = json.loads((runs["save_dir"].parent / "dp4.json").read_text())
+    check_overlap_trace(trace, "reduce-scatter")
 
 
 def test_resumes_exactly(runs, tmp_path):

@@ -19,10 +19,20 @@ from pathlib import Path
 COLOURS = {
     "forward": "#4c72b0",
     "backward": "#dd8452",
-    "wait": "#e6e6e6",
+    "send": "#c44e52",
+    "receive": "#8c8c8c",
+    "other": "#e6e6e6",
     "all-reduce": "#55a868",
+    "reduce-scatter": "#55a868",
+    "wait": "#8c8c8c",
 }
-LABELS = {"wait": "send / receive / wait"}
+LABELS = {
+    "receive": "receive (waiting for the neighbour)",
+    "send": "send (held up by a send)",
+    "other": "other (the loop, posting messages)",
+    "wait": "waiting for the all-reduces",
+}
+NAMED = {"forward", "backward"}  # bars that carry their name (F1, B1, ...)
 
 
 def read_trace(path):
@@ -90,7 +100,7 @@ def draw(paths, out, dpi):
                 colour = COLOURS.get(event["cat"], "#8172b2")
                 bar = ax.barh(y, width, left=start, height=0.7, color=colour, edgecolor="white")
                 seen.setdefault(LABELS.get(event["cat"], event["cat"]), bar)
-                if event["cat"] != "wait":
+                if event["cat"] in NAMED:
                     ax.text(start + width / 2, y, event["name"], ha="center", va="center",
                             fontsize=6, clip_on=True)  # fmt: skip
         ax.set_yticks(range(len(names)), names, fontsize=8)
