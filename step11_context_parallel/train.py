@@ -81,9 +81,9 @@ def parse_args(argv=None):
         model.add_argument(f"--{name}", type=int, help="override the config's value")
     train = parser.add_argument_group("training")
     train.add_argument("--seq_len", type=int, default=256)
-    train.add_argument("--micro_batch_size", type=int, default=16)
+    train.add_argument("--micro_batch_size", type=int, default=4)
     train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--max_steps", type=int, default=150)
+    train.add_argument("--max_steps", type=int, default=250)
     train.add_argument("--learning_rate", type=float, default=3e-3)
     train.add_argument("--warmup_steps", type=int, default=10)
     train.add_argument("--weight_decay", type=float, default=0.1)
@@ -414,7 +414,8 @@ def report_overlap(model, bucket_size_mb, trace_path=""):
     ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
     timeline = model.timeline
     backward, busy, during, waited = timeline.summary()
-    buckets = f"{len(timeline.sizes)} buckets of at most {bucket_size_mb:g} MB"
+    n = len(timeline.sizes)
+    buckets = f"{n} bucket{'s' if n > 1 else ''} of at most {bucket_size_mb:g} MB"
     figures = (
         f"backward {backward:.1f} ms | {timeline.collective}s in flight {busy:.1f} ms, "
         f"{during:.0%} of that during backward | waited {waited:.1f} ms after it"

@@ -84,7 +84,8 @@ class Command:
     @property
     def writes(self):
         """It reads or writes files relative to the working folder."""
-        return not self.trains or any(f in self.args for f in ["--save_dir", "--init_from_hf"])
+        flags = ["--save_dir", "--init_from_hf", "--pp_timeline", "--dp_timeline"]
+        return not self.trains or any(f in self.args for f in flags)
 
     def __str__(self):
         return f"{self.readme}:{self.line}: {self.text}"

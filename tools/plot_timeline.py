@@ -107,7 +107,10 @@ def draw(paths, out, dpi):
         ax.invert_yaxis()
         ax.set_title(title(path, names, rows, info), fontsize=8, loc="left")
     axes[-1, 0].set_xlabel("ms from the start of the step")
-    figure.legend(seen.values(), seen.keys(), loc="upper right", fontsize=7, ncols=len(seen))
+    order = [LABELS.get(kind, kind) for kind in COLOURS]  # the legend in a fixed order
+    labels = sorted(seen, key=lambda label: order.index(label) if label in order else len(order))
+    handles = [seen[label] for label in labels]
+    figure.legend(handles, labels, loc="upper right", fontsize=7, ncols=len(seen))
     figure.tight_layout(rect=(0, 0, 1, 0.95))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=dpi)
