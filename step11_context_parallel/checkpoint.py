@@ -106,6 +106,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm, ba
     dist.gather_object(pieces, everyone, dst=0)  # rank 0 goes on once every file is written
     if dist.get_rank() == 0:
         layout = {"tp_size": pgm.tp_size, "pp_size": pgm.pp_size, "dp_size": pgm.dp_size}
+        layout["cp_size"] = pgm.cp_size
         index = {"layout": layout, **build_index(everyone)}
         write_index(tmp / "index.json", index)
         rng = {"cpu": torch.get_rng_state()}

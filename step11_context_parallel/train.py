@@ -603,7 +603,8 @@ def resume(checkpoint, args, model, zero, optimizer, scheduler, train_loader, pg
     path, index = checkpoint
     step, saved = load_checkpoint(path, index, model, optimizer, scheduler, train_loader, zero)
     layouts = [
-        " x ".join(f"{axis} {sizes[f'{axis}_size']}" for axis in ["tp", "pp", "dp"])
+        # Earlier steps' checkpoints have no cp_size: they were written at cp 1.
+        " x ".join(f"{axis} {sizes.get(f'{axis}_size', 1)}" for axis in ["tp", "pp", "dp", "cp"])
         for sizes in [index["layout"], vars(pgm)]
     ]
     log(f"resumed from {path} at step {step}: saved at {layouts[0]}, running at {layouts[1]}")

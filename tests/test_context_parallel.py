@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT, TINY, assert_same_training, run_step, spawn
+from conftest import ROOT, TINY, assert_same_training, check, read_log, run_step, spawn
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -174,14 +174,18 @@ TRAINED = ["cp2", "cp2_tp2", "dp2_pp2_cp2"]  # pp2_cp2 is in the 4D one
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Step 3 on one process, and step 11 at cp 2, cp 2 x tp 2 and dp 2 x pp 2 x cp 2, each run
-    once for all the tests below."""
+    """Step 3 on one process, and step 11 at cp 2 (saving at steps 4 and 8), cp 2 x tp 2 and
+    dp 2 x pp 2 x cp 2, each run once for all the tests below."""
     out_dir = tmp_path_factory.mktemp("cp")
     layouts = [convergence.baseline_layout(ACCUMULATION)] + [LAYOUTS[name] for name in TRAINED]
-    return {
-        layout.name: convergence.run(layout, COMMON, out_dir, env=ENV, timeout=300)
+    save = ["--save_dir", str(out_dir / "ckpt"), "--save_every", "4"]
+    runs = {
+        layout.name: convergence.run(
+            layout, [*COMMON, *save] if layout.name == "cp2" else COMMON, out_dir, env=ENV
+        )
         for layout in layouts
     }
+    return {**runs, "save_dir": out_dir / "ckpt"}
 
 
 @pytest.mark.parametrize("name", TRAINED)
@@ -192,6 +196,22 @@ def test_trains_like_step3(runs, name):
     assert comparison.ok, comparison.problems
     assert [r["step"] for r in runs[name] if "val_loss" in r] == [4, 8]
     assert_same_training(runs[name], runs["baseline"])
+
+
+def test_cp2_checkpoint_resumes_on_one_process(runs, tmp_path):
+    """Saved at step 4 at cp 2 (AdamW's moments sharded over the two cp ranks), resumed by one
+    process: steps 5 to 8 are the baseline's."""
+    save = runs["save_dir"]
+    (save / "latest").write_text("step_000004")  # as if the run had died after step 4
+    log_file = tmp_path / "resumed.jsonl"
+    args = [*COMMON, "--gradient_accumulation_steps", str(ACCUMULATION), "--save_dir", str(save)]
+    result = check(run_step(STEP, [*args, "--resume", "--log_file", str(log_file)]))
+    assert "saved at tp 1 x pp 1 x dp 1 x cp 2, running at tp 1 x pp 1 x dp 1 x cp 1" in (
+        result.stdout
+    ), result.stdout[-2000:]
+    resumed = read_log(log_file)
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert_same_training(resumed, runs["baseline"][4:])
 
 
 def test_seq_len_that_cp_cannot_split_is_refused():

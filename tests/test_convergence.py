@@ -6,6 +6,7 @@ bit-identical after 20 steps."""
 import shutil
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,10 +57,12 @@ def test_a_run_that_changes_layout_halfway_trains_like_one_process(tmp_path, bas
     assert comparison.ok, comparison.problems
 
 
-def test_launcher_without_bug_changes_nothing(tmp_path, baseline):
-    """The control for the test below: the launcher alone trains exactly like train.py."""
+def test_launcher_without_bug_changes_nothing(tmp_path, baseline, monkeypatch):
+    """The control for the test below: the launcher alone trains exactly like train.py. Run from
+    another folder than the repository's, with a relative out_dir, as a user may."""
+    monkeypatch.chdir(tmp_path)
     launcher = convergence.inject(None, tmp_path)
-    records = train(LAYOUTS["dp2_bucket"], tmp_path, launcher)
+    records = train(LAYOUTS["dp2_bucket"], Path("runs"), launcher)
     comparison = convergence.compare(records, baseline)
     assert comparison.ok, comparison.problems
 

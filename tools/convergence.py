@@ -9,11 +9,11 @@ floating-point sums, so in fp32 the curves agree to about 1e-6 for the first ten
 averaged, a shard read from the wrong place, a loss not divided by the number of micro-batches)
 shows from the first step.
 
-    python tools/convergence.py --steps 200 --out_dir runs/convergence
+    python tools/convergence.py --steps 60 --out_dir runs/convergence
     python tools/convergence.py --layouts tp2,pp2_1f1b -- --dataset_name roneneldan/TinyStories
     python tools/convergence.py --layouts pp3_1f1b --reshard   # also: stop halfway, go on in
                                                                # another layout (step 9)
-    python tools/convergence.py --tied --num_hidden_layers 5 --steps 50   # tied embeddings
+    python tools/convergence.py --tied --num_hidden_layers 5 --steps 10   # tied embeddings
     python tools/convergence.py --zero1              # the sharded optimizer (step 10), in 3D too
     python tools/convergence.py --cp                 # context parallelism (step 11), in 4D too
 
@@ -209,8 +209,7 @@ def run(layout, common_args, out_dir, env=None, launcher=None, timeout=600):
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     # A session of its own, so that a timeout kills torchrun and its workers together.
     process = subprocess.Popen(
-        command,
-        cwd=ROOT,
+        command,  # in the caller's folder: relative paths (out_dir, a model folder) mean the same
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
