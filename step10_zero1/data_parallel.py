@@ -206,7 +206,8 @@ class OverlapTimeline:
             handle.wait()
             self.spans.append((index, start, time.time_ns()))
 
-        self.pending.append(threading.Thread(target=finished))
+        # A daemon: should the step fail, a thread still waiting does not keep the process alive.
+        self.pending.append(threading.Thread(target=finished, daemon=True))
         self.pending[-1].start()
 
     def waited(self, start, end):
