@@ -508,7 +508,7 @@ def main(argv=None):
     log(pgm, all_ranks=True)
     dtype = resolve_dtype(args.dtype, device)
     if args.dp_timeline is not None and device.type == "cuda":
-        # NCCL completes a collective's future when it is queued, not when it has run.
+        # NCCL's wait returns when the collective is queued on the GPU, not when it has run.
         raise ValueError("--dp_timeline times gloo's all-reduces on CPU; on CUDA use --profile DIR")
     set_seed(args.seed)
     config = load_config(args)
