@@ -224,7 +224,9 @@ def setup_distributed(args):
 ### end Process groups
 def load_config(args):
     """A LlamaConfig from assets/configs/NAME, a local directory or the hub, with overrides."""
-    name = args.init_from_hf or args.model_name
+    # Its config comes from --init_from_hf's folder when given, else from --model_name.
+    flag = "--init_from_hf" if args.init_from_hf else "--model_name"
+    given = name = args.init_from_hf or args.model_name
     if (ASSETS / "configs" / name).is_dir():
         name = str(ASSETS / "configs" / name)
     try:
@@ -234,14 +236,14 @@ def load_config(args):
             "the folder has no valid config.json"
             if Path(name).is_dir()
             else "no such local directory, and the Hugging Face hub could not be reached or "
-            "has no such model"
+            "has no such model. The offline default is --model_name tiny; assets/configs holds "
+            "the others"
         )
         raise ValueError(
-            f"could not load the model config {args.model_name!r}: {where}. The offline default "
-            f"is --model_name tiny; assets/configs holds the others.\n{error}"
+            f"{flag} {given}: could not load the model config: {where}.\n{error}"
         ) from error
     if config.model_type != "llama":
-        raise ValueError(f"{args.model_name!r} is a {config.model_type!r} model, not a Llama one")
+        raise ValueError(f"{flag} {given} is a {config.model_type!r} model, not a Llama one")
     for key in OVERRIDES:
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))

@@ -43,6 +43,12 @@ def files(tmp_path_factory):
     (tmp / "no_weights" / "config.json").write_text(json.dumps(config))
     weights = tmp / "weights.safetensors"
     save_file({"x": torch.zeros(4)}, str(weights))
+    # --init_from_hf folders that pass the first checks (a config.json and weights) but whose
+    # config is another model's, or not JSON.
+    for name, text in [("hf_gpt2", json.dumps({"model_type": "gpt2"})), ("hf_broken", "{x")]:
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(text)
+        (tmp / name / "model.safetensors").write_bytes(weights.read_bytes())
     torch.save({"step": 1}, tmp / "state.pt")
     # Step 3's checkpoints: a truncated weight file; a missing trainer state; a latest pointing
     # nowhere. Only the files' headers are read before the refusal, so any tensor will do.
@@ -141,6 +147,13 @@ CASES = [
     (S9, "--init_from_hf {tmp}/nothing", "--init_from_hf {tmp}/nothing: no such folder"),
     (S9, "--init_from_hf {tmp}/no_config", "--init_from_hf {tmp}/no_config: no config.json"),
     (S9, "--init_from_hf {tmp}/no_weights", "{tmp}/no_weights: no *.safetensors weights"),
+    (S9, "--init_from_hf {tmp}/hf_gpt2", "--init_from_hf {tmp}/hf_gpt2 is a 'gpt2' model"),
+    (
+        S9,
+        "--init_from_hf {tmp}/hf_broken",
+        "--init_from_hf {tmp}/hf_broken: could not load the model config: the folder has no valid",
+    ),
+    (S9, "--model_name {tmp}/nothing", "--model_name {tmp}/nothing: could not load the model"),
     (S9, "--dp_size 2", "tp_size * pp_size * dp_size = 1 * 1 * 2 = 2, but the world size is 1"),
 ]
 
