@@ -147,7 +147,11 @@ def write_slices(folder, model, moments, pgm):
         if pgm.tp_rank == 0:  # the step count is the same for every slice
             add("optimizer", f"{name}.step", state["step"], None, 0, [])
     for section, named in tensors.items():
-        save_file(named, folder / f"{section}-{shard_name(pgm)}.safetensors")
+        path = folder / f"{section}-{shard_name(pgm)}.safetensors"
+        save_file(named, path)
+        # safetensors creates its file 0600 (a temporary file, renamed): make it as readable as
+        # config.json beside it, so whoever may read the checkpoint may read its weights.
+        shutil.copymode(folder / "config.json", path)
     return pieces
 
 

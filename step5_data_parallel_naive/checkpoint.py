@@ -55,6 +55,9 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm):
 
 def write_state(folder, shard, step, model, optimizer, scheduler, loader):
     save_model(model, str(folder / f"model-{shard}.safetensors"))  # handles tied embeddings
+    # safetensors creates its file 0600 (a temporary file, renamed): make it as readable as
+    # config.json beside it, so whoever may read the checkpoint may read its weights.
+    shutil.copymode(folder / "config.json", folder / f"model-{shard}.safetensors")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()

@@ -112,6 +112,16 @@ def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def assert_weights_readable_as_config(folder):
+    """Every weight file in `folder` has config.json's permissions: safetensors alone creates
+    its files 0600, which a colleague, or another user serving the model, cannot read."""
+    mode = (Path(folder) / "config.json").stat().st_mode
+    weights = sorted(Path(folder).glob("*.safetensors"))
+    assert weights and all(path.stat().st_mode == mode for path in weights), [
+        (path.name, oct(path.stat().st_mode)) for path in weights
+    ]
+
+
 def assert_same_training(records, expected):
     """Step by step, the same loss and gradient norm as the reference run. fp32 on the CPU: only
     the order of sums differs (about 1e-6). A wrong initial slice, a missing all-reduce, a

@@ -9,7 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT, TINY, assert_same_training, check, read_log, run_step, spawn
+from conftest import (
+    ROOT,
+    TINY,
+    assert_same_training,
+    assert_weights_readable_as_config,
+    check,
+    read_log,
+    run_step,
+    spawn,
+)
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -202,6 +211,7 @@ def test_cp2_checkpoint_resumes_on_one_process(runs, tmp_path):
     """Saved at step 4 at cp 2 (AdamW's moments sharded over the two cp ranks), resumed by one
     process: steps 5 to 8 are the baseline's."""
     save = runs["save_dir"]
+    assert_weights_readable_as_config(save / "step_000004")
     (save / "latest").write_text("step_000004")  # as if the run had died after step 4
     log_file = tmp_path / "resumed.jsonl"
     args = [*COMMON, "--gradient_accumulation_steps", str(ACCUMULATION), "--save_dir", str(save)]

@@ -15,7 +15,7 @@ from itertools import accumulate
 import pytest
 import torch
 import transformers
-from conftest import ROOT, check
+from conftest import ROOT, assert_weights_readable_as_config, check
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -158,6 +158,7 @@ def test_export_cli_without_config_json(tmp_path):
     command += ["--tokenizer", TOKENIZER]
     check(subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120))
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert_weights_readable_as_config(tmp_path / "hf")
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert exported.architectures == ["LlamaForCausalLM"] and exported.num_hidden_layers == 5
     assert_same_model(tmp_path / "hf", model)

@@ -16,7 +16,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, TINY, assert_same_training, check, import_step, read_log, run_step
+from conftest import (
+    ROOT,
+    TINY,
+    assert_same_training,
+    assert_weights_readable_as_config,
+    check,
+    import_step,
+    read_log,
+    run_step,
+)
 
 STEP = "step9_3d_parallel"
 STEPS = 20
@@ -142,6 +151,7 @@ def test_a_crash_mid_save_leaves_the_latest_checkpoint_whole(tmp_path, monkeypat
     checkpoint, data = sys.modules["checkpoint"], sys.modules["dataloader"]
     args = train.parse_args([*TINY])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    umask = os.umask(0o027)  # a group may read: every file of a checkpoint is then 0640
     try:
         model = train.build_model(train.load_config(args), torch.device("cpu"), seed=0)
         optimizer, scheduler = train.build_optimizer(model, args, torch.device("cpu"))
@@ -167,7 +177,11 @@ def test_a_crash_mid_save_leaves_the_latest_checkpoint_whole(tmp_path, monkeypat
         checkpoint.save_checkpoint(tmp_path, 2, *parts)  # the next save replaces the half one
         assert (tmp_path / "latest").read_text() == "step_000002"
         assert not (tmp_path / ".step_000002.tmp").exists()
+        assert_weights_readable_as_config(tmp_path / "step_000002")
+        modes = {path.stat().st_mode & 0o777 for path in (tmp_path / "step_000002").iterdir()}
+        assert modes == {0o640}
     finally:
+        os.umask(umask)
         dist.destroy_process_group()
 
 

@@ -9,7 +9,16 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import ROOT, TINY, assert_same_training, check, import_step, read_log, run_step
+from conftest import (
+    ROOT,
+    TINY,
+    assert_same_training,
+    assert_weights_readable_as_config,
+    check,
+    import_step,
+    read_log,
+    run_step,
+)
 from safetensors.torch import load_file, save_file
 
 STEP = "step9_3d_parallel"
@@ -135,6 +144,7 @@ def tiny_config():
 def test_the_reference_checkpoint_passes_the_checks(reference):
     index = checkpoint_module().check_checkpoint(reference[1], tiny_config())
     assert index["layout"] == {"tp_size": 2, "pp_size": 2, "dp_size": 1}
+    assert_weights_readable_as_config(reference[1])
 
 
 @pytest.mark.parametrize(

@@ -357,6 +357,7 @@ def export(checkpoint, out_dir, config=None, dtype=torch.float32, tokenizer=None
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    shutil.copymode(out_dir / "config.json", out_dir / "model.safetensors")  # not safetensors' 0600
     if tokenizer:
         for file in tokenizer.iterdir():
             if file.is_file():
