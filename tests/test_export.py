@@ -290,3 +290,14 @@ def test_sampling_is_seeded_and_top_k(tmp_path):
     assert sample_tool.sample(rebuilt, tokenizer, "Once upon", 12, top_k=1) == expected
     cold = sample_tool.sample(rebuilt, tokenizer, "Once upon", 12, top_k=2048, temperature=1e-6)
     assert cold == expected != texts[0]
+
+
+@pytest.mark.parametrize("tool", [export_hf, sample_tool], ids=["export_hf", "sample"])
+def test_a_checkpoint_that_is_not_there_is_one_line_and_status_2(tool, tmp_path, capsys):
+    argv = [str(tmp_path / "nothing")] + ([str(tmp_path / "hf")] if tool is export_hf else [])
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(argv)
+    assert exit_info.value.code == 2
+    name = "export_hf.py" if tool is export_hf else "sample.py"
+    expected = f"{name}: error: no checkpoint folder at {tmp_path / 'nothing'}\n"
+    assert capsys.readouterr().err == expected

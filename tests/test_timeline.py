@@ -165,6 +165,29 @@ def test_plot_timeline_draws_a_png(tmp_path):
     assert "bubble per stage" in plot_timeline.title(trace, names, rows, info)
 
 
+def test_plot_timeline_refuses_what_is_not_a_trace_in_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import plot_timeline
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    span = '{"ph": "X", "ts": 0, "dur": 1, "cat": "forward"}'  # no track (tid)
+    cases = [
+        ("missing.json", None, "missing.json: not a readable JSON trace"),
+        ("object.json", "{}", "object.json: not a Chrome trace (no list of traceEvents)"),
+        ("no_track.json", f'{{"traceEvents": [{span}]}}', "a trace event lacks a field: 'tid'"),
+    ]
+    for name, text, message in cases:
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        code = plot_timeline.main([str(tmp_path / name), "-o", str(tmp_path / "out.png")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("plot_timeline.py: error: ") and message in err, err
+        assert len(err.splitlines()) == 1
+    assert not (tmp_path / "out.png").exists()
+
+
 def test_plot_timeline_without_matplotlib_says_how_to_install_it():
     block = "import sys; sys.modules['matplotlib'] = None; sys.argv[1:] = ['x.json']; "
     run = "import runpy; runpy.run_path('tools/plot_timeline.py', run_name='__main__')"

@@ -378,7 +378,8 @@ def main(argv=None):
         dtype = getattr(torch, args.dtype)
         num_params = export(args.checkpoint, args.out_dir, config, dtype, args.tokenizer)
     except ValueError as error:
-        sys.exit(f"export_hf.py: error: {error}")
+        print(f"export_hf.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
     folder = resolve_checkpoint(args.checkpoint)
     layout = describe_layout(*saved_layout(folder))
     print(f"{folder} ({layout}) -> {args.out_dir}: {num_params:,} parameters in {args.dtype}")

@@ -41,7 +41,9 @@ def read_trace(path):
         trace = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: not a readable JSON trace ({error})") from error
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a Chrome trace (no list of traceEvents)")
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     spans = [e for e in events if e.get("ph") == "X"]
     if not spans:
@@ -126,8 +128,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return draw(args.traces, args.out, args.dpi)
-    except (ValueError, KeyError) as error:
-        print(f"plot_timeline.py: {error}", file=sys.stderr)
+    except ValueError as error:
+        print(f"plot_timeline.py: error: {error}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError) as error:  # a hand-made or truncated trace
+        print(f"plot_timeline.py: error: a trace event lacks a field: {error}", file=sys.stderr)
         return 2
 
 

@@ -108,7 +108,8 @@ def main(argv=None):
             model, tokenizer, args.prompt, args.num_tokens, args.seed, args.top_k, args.temperature
         )
     except ValueError as error:
-        sys.exit(f"sample.py: error: {error}")
+        print(f"sample.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
     print(text)
 
 
