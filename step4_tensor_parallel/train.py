@@ -92,13 +92,16 @@ def parse_args(argv=None):
     data.add_argument("--sample_tokens", type=int, default=60)
     run = parser.add_argument_group("checkpoints and logging")
     run.add_argument("--save_dir", help="write checkpoints here (none if not given)")
-    run.add_argument("--save_every", type=int, default=100, help="and always at the end")
+    run.add_argument("--save_every", type=int, help="every N steps (100), and always at the end")
     run.add_argument("--resume", action="store_true", help="continue from save_dir's latest")
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
     run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
     args = parser.parse_args(argv)
+    if args.save_every is not None and not args.save_dir:
+        parser.error("--save_every needs --save_dir, the folder to save to")
+    args.save_every = 100 if args.save_every is None else args.save_every
     for name in [
         "seq_len",
         "micro_batch_size",
