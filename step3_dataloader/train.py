@@ -370,7 +370,24 @@ def resume(args, model, optimizer, scheduler, train_loader, device):
         return 0
     step = load_checkpoint(path, model, optimizer, scheduler, train_loader, device)
     log(f"resumed from {path} at step {step}")
+    follow_this_runs_schedule(args, optimizer, scheduler, step)
     return step
+
+
+def follow_this_runs_schedule(args, optimizer, scheduler, step):
+    """The checkpoint brings back the saved run's learning rate; from here the run follows this
+    one's --learning_rate, --warmup_steps and --max_steps (unchanged flags: the same rate, to the
+    bit). Says so when the rate changes, as when a run is extended."""
+    saved = optimizer.param_groups[0]["lr"]
+    rate = args.learning_rate * scheduler.lr_lambdas[0](step)
+    scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group.update(initial_lr=args.learning_rate, lr=rate)
+    if rate != saved:
+        log(
+            f"the learning rate of step {step + 1} is {rate:.3e} with this run's "
+            f"--learning_rate, --warmup_steps and --max_steps; the saved run's was {saved:.3e}"
+        )
 
 
 def main(argv=None):
@@ -394,7 +411,7 @@ def main(argv=None):
     stop_signal, stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
     profiler = start_profiler(args.profile, device)
     for step in range(start_step + 1, args.max_steps + 1):
-        start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
+        start, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
         micro_batches = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_step(
             step_fn, micro_batches, optimizer, scheduler, args, device, dtype

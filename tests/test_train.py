@@ -3,7 +3,8 @@
 import re
 
 import pytest
-from conftest import TINY, check, read_log, run_step
+import torch
+from conftest import TINY, check, import_step, read_log, run_step
 
 LOSS = re.compile(r"step (\d+)/\d+ \| loss ([0-9.]+)")
 
@@ -48,6 +49,7 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     resumed = tmp_path / "resumed.jsonl"
     result = step3(tmp_path, "--save_dir", str(save_dir), "--resume", "--log_file", str(resumed))
     assert "resumed from" in result.stdout and "at step 10" in result.stdout
+    assert "the learning rate of step" not in result.stdout  # the same flags, the same rates
     expected, got = read_log(straight), read_log(resumed)
     assert [r["step"] for r in got] == list(range(11, 21))
     for want, have in zip(expected[10:], got, strict=True):
@@ -56,6 +58,19 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     assert got[-1]["val_loss"] == expected[-1]["val_loss"]
     # Saving checkpoints does not change the run itself.
     assert [r["loss"] for r in read_log(first)] == [r["loss"] for r in expected]
+    # Extended to 30 steps at twice the rate: from step 11 on, the rates of these flags' schedule.
+    (save_dir / "latest").write_text("step_000010")
+    flags = ["--learning_rate", "6e-3"]
+    longer = tmp_path / "longer.jsonl"
+    result = step3(tmp_path, "--save_dir", str(save_dir), "--resume", "--log_file", str(longer),
+                   *flags, steps=30)  # fmt: skip
+    train = import_step("step3_dataloader", "train")
+    args = train.parse_args([*TINY, "--max_steps", "30", *flags])
+    _, schedule = train.build_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
+    rates = [6e-3 * schedule.lr_lambdas[0](step - 1) for step in range(11, 31)]
+    assert [r["lr"] for r in read_log(longer)] == rates
+    assert f"the learning rate of step 11 is {rates[0]:.3e}" in result.stdout
+    assert f"the saved run's was {expected[10]['lr']:.3e}" in result.stdout
 
 
 def test_step3_log_file_and_loss_falls(tmp_path):
