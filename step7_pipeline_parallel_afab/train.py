@@ -511,7 +511,9 @@ def main(argv=None):
         if profiler:
             profiler.step()
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr}
-        record.update(tokens=step * tokens_per_step, tokens_per_second=tokens_per_second)
+        # The rows served so far: right after a resume that changed the batch, too.
+        tokens = train_loader.position * args.seq_len
+        record.update(tokens=tokens, tokens_per_second=tokens_per_second)
         last = step == args.max_steps
         if (args.eval_every and step % args.eval_every == 0) or last:
             record["val_loss"] = evaluate(

@@ -100,7 +100,7 @@ def test_one_process_checkpoint_resumes_on_eight_ranks(tmp_path, reference, one_
 def test_a_changed_global_batch_is_said_and_training_goes_on(tmp_path, reference):
     """dp 2 with 2 micro-batches each: 8 rows a step instead of 4, from the same row on; and
     twice the learning rate (3e-3 by default), which the run follows from there: in warm-up (10
-    steps), step 7 trains at 7 / 10 of it."""
+    steps), step 7 trains at 7 / 10 of it. The tokens count the rows of both batch sizes."""
     flags, nproc = layout(dp=2)
     flags[flags.index("--gradient_accumulation_steps") + 1] = "2"
     flags += ["--learning_rate", "6e-3"]
@@ -108,6 +108,7 @@ def test_a_changed_global_batch_is_said_and_training_goes_on(tmp_path, reference
     assert "the learning rate of step 7 is 4.200e-03 with this run's" in stdout
     assert "the saved run's was 2.100e-03" in stdout
     assert resumed[0]["lr"] == pytest.approx(6e-3 * 7 / 10, rel=1e-12)
+    assert resumed[0]["tokens"] == (6 * 4 + 8) * 32  # 6 steps of 4 rows, then one of 8
     assert (
         "the global batch (micro_batch_size x gradient_accumulation_steps x dp_size) changes "
         "from 4 rows (2 x 2 x 1) of 32 tokens to 8 rows (2 x 2 x 2) of 32 tokens; training "
