@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
+from transformers import LlamaConfig
 
 
 def write_atomically(path, text):
@@ -84,9 +85,40 @@ def check_complete(path, files):
             ) from error
 
 
+# What makes a model's weights fit another's: a checkpoint must agree on all of these.
+MODEL_SHAPE = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+]
+
+
+def check_same_model(path, config):
+    """Refuse a checkpoint of another model (a run with other --model_name or overrides), by its
+    config.json, before any weight is read."""
+    if not (path / "config.json").is_file():
+        return  # an older checkpoint: loading its weights will tell
+    saved = LlamaConfig.from_pretrained(path)
+    different = [
+        f"{key} {getattr(saved, key)} (this run: {getattr(config, key)})"
+        for key in MODEL_SHAPE
+        if getattr(saved, key) != getattr(config, key)
+    ]
+    if different:
+        raise ValueError(
+            f"checkpoint {path} holds another model: {', '.join(different)}; resume with the "
+            f"--model_name and overrides it was trained with"
+        )
+
+
 def load_checkpoint(path, model, optimizer, scheduler, loader, device):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
     check_complete(Path(path), ["model.safetensors", "trainer_state.pt"])
+    check_same_model(Path(path), model.config)
     load_model(model, str(Path(path) / "model.safetensors"), device=str(device))
     state = torch.load(Path(path) / "trainer_state.pt", map_location=device, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])

@@ -67,6 +67,15 @@ def files(tmp_path_factory):
         for file, blob in contents.items():
             blob = (tmp / "state.pt").read_bytes() if blob is None else blob
             (folder / "step_000001" / file).write_bytes(blob)
+    # Complete checkpoints of the tiny config's own shape (256 wide, 4 layers), which the test
+    # runs (64 wide, 2 layers) must not resume from: step 3's files, and step 8's at pp 1.
+    for name, shard in [("ckpt_other", ""), ("ckpt_other_pp", "-pp0-of-1-tp0-of-1")]:
+        folder = tmp / name / "step_000001"
+        folder.mkdir(parents=True)
+        (folder.parent / "latest").write_text("step_000001")
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / f"model{shard}.safetensors").write_bytes(weights.read_bytes())
+        (folder / f"trainer_state{shard}.pt").write_bytes((tmp / "state.pt").read_bytes())
     # Step 8 at pp 2: stage 1's weights truncated; stage 0 (rank 0's own) complete.
     pp = tmp / "ckpt_pp" / "step_000001"
     pp.mkdir(parents=True)
@@ -128,6 +137,11 @@ CASES = [
     ),
     (S3, "--save_dir {tmp}/ckpt_nowhere --resume", "{tmp}/ckpt_nowhere/step_000001 does not exist"),
     (
+        S3,
+        "--save_dir {tmp}/ckpt_other --resume",
+        "ckpt_other/step_000001 holds another model: hidden_size 256 (this run: 64)",
+    ),
+    (
         S4,
         "--save_dir {tmp}/ckpt_missing --resume",
         "no shard tp0-of-1 (it holds model.safetensors)",
@@ -138,6 +152,12 @@ CASES = [
         S6,
         "--dp_timeline {tmp}/a_folder",
         "--dp_timeline {tmp}/a_folder is an existing folder; give a file",
+    ),
+    (
+        S8,
+        "--save_dir {tmp}/ckpt_other_pp --resume",
+        "step_000001 holds another model: hidden_size 256 (this run: 64), intermediate_size 688 "
+        "(this run: 128), num_hidden_layers 4 (this run: 2), num_attention_heads 8 (this run: 4)",
     ),
     (S8, "--pp_engine zigzag", "argument --pp_engine: invalid choice: 'zigzag'"),
     (
