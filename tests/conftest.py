@@ -1,8 +1,10 @@
 """Helpers for the tests: import a step's modules, and run a step's train.py under torchrun."""
 
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -136,24 +138,46 @@ def assert_same_training(records, expected):
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
 
 
+# spawn's processes start from a server process that imported torch and transformers and did
+# nothing else: forked from pytest's own process, they would inherit a lock that one of its threads
+# (gloo's, the OpenMP pool's, tqdm's monitor, left by the tests run in this process) held at
+# that instant, and wait for it forever.
+CLEAN_FORK = mp.get_context("forkserver")
+CLEAN_FORK.set_forkserver_preload(
+    ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama"]
+)
+
+
 def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
     """Run fn(rank, world, *args) in `world` gloo processes that import `step`'s modules.
-    A hang fails the test after `timeout` seconds instead of blocking the suite. A failed check
-    fails at once; a process killed by a signal (gloo rarely aborts at process exit on this
-    2-core machine) is tried once more."""
+    A hang fails the test after `timeout` seconds, naming the line where each rank waits,
+    instead of blocking the suite. A failed check fails at once; a process killed by a signal
+    (gloo rarely aborts at process exit on this 2-core machine) is tried once more."""
     for attempt in range(tries):
         store = str(tmp_path / f"store-{time.monotonic_ns()}")
-        # Forked: the children start with torch imported (spawned, each would import it again).
         context = mp.start_processes(
-            _init_and_run, (step, world, store, fn, args), world, join=False, start_method="fork"
+            _init_and_run,
+            (step, world, store, fn, args),
+            world,
+            join=False,
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
+                    stacks = []
+                    for rank, process in enumerate(context.processes):
+                        if process.is_alive():  # it writes where it waits, then goes
+                            os.kill(process.pid, signal.SIGUSR1)
+                            time.sleep(1)
+                            stack = Path(f"{store}-stack{rank}").read_text()
+                            stacks.append(f"rank {rank}:\n{stack}")
                         process.kill()
-                    raise TimeoutError(f"{fn.__name__} on {world} ranks took over {timeout} s")
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world} ranks took over {timeout} s; where the ranks "
+                        "still running waited:\n" + "\n".join(stacks)
+                    )
             return
         except mp.ProcessExitedException as error:
             if attempt == tries - 1:
@@ -162,7 +186,9 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
 
 
 def _init_and_run(rank, step, world, store_path, fn, args):
-    for module in STEP_MODULES:  # what fn imports comes from `step`, not the parent's last step
+    stack = open(f"{store_path}-stack{rank}", "w")  # noqa: SIM115 (written until the process ends)
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)  # asked for on a timeout
+    for module in STEP_MODULES:  # what fn imports comes from `step`
         sys.modules.pop(module, None)
     sys.path.insert(0, str(ROOT / step))
     torch.set_num_threads(1)

@@ -1,12 +1,10 @@
 """The (dp, pp, tp) grid: every rank's coordinates and groups, and the refusal of bad sizes."""
 
-import sys
 import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import ROOT, import_step, run_step
+from conftest import CLEAN_FORK, import_step, run_step, spawn
 
 pgm_lib = import_step("step2_process_group_manager", "process_group_manager")
 
@@ -24,13 +22,9 @@ def expected(rank, dp, pp, tp):
     }
 
 
-def worker(rank, world, sizes, store_path, results):
-    sys.modules.pop("process_group_manager", None)  # forked: maybe another step's, imported last
-    sys.path.insert(0, str(ROOT / "step2_process_group_manager"))
-    from process_group_manager import ProcessGroupManager
+def worker(rank, world, sizes, results):
+    from process_group_manager import ProcessGroupManager  # step 2's, imported by spawn
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     tp, pp, dp = sizes
     pgm = ProcessGroupManager(tp_size=tp, pp_size=pp, dp_size=dp)
     # Each group really holds these ranks: an all-gather of global ranks over it.
@@ -46,15 +40,13 @@ def worker(rank, world, sizes, store_path, results):
         "members": members,
         "stages": [pgm.pp_is_first_stage, pgm.pp_is_last_stage, pgm.pp_prev_rank, pgm.pp_next_rank],
     }
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (2, 3, 1), (1, 2, 3)])
 def test_grid_membership(tmp_path, tp, pp, dp):
     world = tp * pp * dp
-    results = mp.Manager().dict()
-    args = (world, (tp, pp, dp), str(tmp_path / "store"), results)
-    mp.start_processes(worker, args=args, nprocs=world, start_method="fork")  # torch imported
+    results = CLEAN_FORK.Manager().dict()
+    spawn("step2_process_group_manager", worker, world, tmp_path, (tp, pp, dp), results)
     for rank in range(world):
         want, got = expected(rank, dp, pp, tp), results[rank]
         assert got["coords"] == want["coords"], rank
@@ -95,3 +87,19 @@ def test_bad_launch_fails_fast_on_every_rank():
     # Each rank refuses before any collective, so nobody waits for a peer (torchrun stops the
     # other rank as soon as one fails, so its own message may not be printed).
     assert time.monotonic() - start < 60
+
+
+def waits_at_a_barrier_alone(rank, world):
+    if rank == 0:
+        dist.barrier()
+    else:
+        time.sleep(60)
+
+
+def test_a_hang_names_where_each_rank_waits(tmp_path):
+    """The tests' process runner stops ranks that wait too long and says where each one was."""
+    with pytest.raises(TimeoutError) as error:
+        spawn("step2_process_group_manager", waits_at_a_barrier_alone, 2, tmp_path, timeout=3)
+    rank0, rank1 = str(error.value).split("rank 1:")
+    assert "in barrier" in rank0 and "waits_at_a_barrier_alone" in rank0
+    assert "in barrier" not in rank1 and "waits_at_a_barrier_alone" in rank1
