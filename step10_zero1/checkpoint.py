@@ -27,6 +27,7 @@ are step 9's, and a run resumes with any dp_size and bucket size.
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -200,7 +201,12 @@ def check_checkpoint(path, config):
                 f"--init_from_hf {path}-hf"
             )
         raise ValueError(f"{path} has no index.json: it is not a checkpoint of this trainer")
-    index = json.loads((path / "index.json").read_text())
+    try:
+        index = json.loads((path / "index.json").read_text())
+    except ValueError as error:  # cut short, or edited by hand
+        raise ValueError(f"{path}/index.json is not valid JSON ({error})") from error
+    if not isinstance(index, dict) or not {"model", "optimizer"} <= index.keys():
+        raise ValueError(f"{path}/index.json is not a checkpoint index (no model and optimizer)")
     with torch.device("meta"):  # shapes only, no memory
         full = {name: list(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
     if config.tie_word_embeddings:
@@ -234,6 +240,10 @@ def check_checkpoint(path, config):
             raise ValueError(f"{path / file} lacks {short(absent)}, which index.json puts there")
     if not (path / "trainer_state.pt").is_file():
         raise ValueError(f"{path} is incomplete: trainer_state.pt is missing")
+    try:  # the zip index at the end of a torch.save file: gone when the file is cut short
+        zipfile.ZipFile(path / "trainer_state.pt").close()
+    except (OSError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}/trainer_state.pt is truncated or damaged ({error})") from error
     return index
 
 

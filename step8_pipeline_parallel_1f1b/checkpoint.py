@@ -114,7 +114,10 @@ def check_same_model(path, config):
     config.json, before any weight is read."""
     if not (path / "config.json").is_file():
         return  # an older checkpoint: loading its weights will tell
-    saved = LlamaConfig.from_pretrained(path)
+    try:
+        saved = LlamaConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:  # not JSON (cut short, edited by hand), or no config
+        raise ValueError(f"checkpoint {path}: config.json cannot be read ({error})") from error
     different = [
         f"{key} {getattr(saved, key)} (this run: {getattr(config, key)})"
         for key in MODEL_SHAPE

@@ -76,6 +76,13 @@ def files(tmp_path_factory):
         (folder / "config.json").write_text(json.dumps(config))
         (folder / f"model{shard}.safetensors").write_bytes(weights.read_bytes())
         (folder / f"trainer_state{shard}.pt").write_bytes((tmp / "state.pt").read_bytes())
+    # Step 3's checkpoint whose config.json was cut short (its other files pass their checks).
+    folder = tmp / "ckpt_badconfig" / "step_000001"
+    folder.mkdir(parents=True)
+    (folder.parent / "latest").write_text("step_000001")
+    (folder / "config.json").write_text(json.dumps(config)[:100])
+    (folder / "model.safetensors").write_bytes(weights.read_bytes())
+    (folder / "trainer_state.pt").write_bytes((tmp / "state.pt").read_bytes())
     # Step 8 at pp 2: stage 1's weights truncated; stage 0 (rank 0's own) complete.
     pp = tmp / "ckpt_pp" / "step_000001"
     pp.mkdir(parents=True)
@@ -140,6 +147,11 @@ CASES = [
         S3,
         "--save_dir {tmp}/ckpt_other --resume",
         "ckpt_other/step_000001 holds another model: hidden_size 256 (this run: 64)",
+    ),
+    (
+        S3,
+        "--save_dir {tmp}/ckpt_badconfig --resume",
+        "ckpt_badconfig/step_000001: config.json cannot be read (It looks like the config file",
     ),
     (
         S4,

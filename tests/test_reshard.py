@@ -160,6 +160,9 @@ def test_the_reference_checkpoint_passes_the_checks(reference):
         ("missing", "is incomplete: model-pp1-of-2-tp0-of-2.safetensors is missing"),
         ("truncated", "model-pp1-of-2-tp0-of-2.safetensors cannot be read"),
         ("no_state", "is incomplete: trainer_state.pt is missing"),
+        ("state_cut", "trainer_state.pt is truncated or damaged"),
+        ("index_cut", "index.json is not valid JSON"),
+        ("index_other", "index.json is not a checkpoint index"),
     ],
 )
 def test_a_damaged_checkpoint_is_refused(tmp_path, reference, damage, message):
@@ -169,8 +172,16 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, reference, damage, message):
         shard.unlink()
     elif damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:-100])
-    else:
+    elif damage == "no_state":
         (folder / "trainer_state.pt").unlink()
+    elif damage == "state_cut":  # a copy interrupted: the zip index at the end is gone
+        state = folder / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:-100])
+    elif damage == "index_cut":
+        index = folder / "index.json"
+        index.write_text(index.read_text()[:-10])
+    else:
+        (folder / "index.json").write_text('{"model": {}}')
     with pytest.raises(ValueError, match=message):
         checkpoint_module().check_checkpoint(folder, tiny_config())
 

@@ -174,7 +174,10 @@ def merge_shards(pp_size, tp_size, shards):
 def read_indexed(folder):
     """The full weights of a checkpoint with an index.json: each tensor is the concatenation of
     its pieces along the dim the index gives, or its one piece. Returns (state dict, layout)."""
-    index = json.loads((folder / "index.json").read_text())
+    try:
+        index = json.loads((folder / "index.json").read_text())
+    except ValueError as error:  # cut short, or edited by hand
+        raise ValueError(f"{folder}/index.json is not valid JSON ({error})") from error
     files = {}
     for key, entry in index["model"].items():
         for piece in entry["pieces"]:
