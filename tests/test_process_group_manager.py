@@ -96,10 +96,15 @@ def waits_at_a_barrier_alone(rank, world):
         time.sleep(60)
 
 
+def returns(rank, world):
+    pass
+
+
 def test_a_hang_names_where_each_rank_waits(tmp_path):
     """The tests' process runner stops ranks that wait too long and says where each one was."""
+    spawn("step2_process_group_manager", returns, 2, tmp_path)  # the server started, if it was not
     with pytest.raises(TimeoutError) as error:
-        spawn("step2_process_group_manager", waits_at_a_barrier_alone, 2, tmp_path, timeout=3)
+        spawn("step2_process_group_manager", waits_at_a_barrier_alone, 2, tmp_path, timeout=6)
     rank0, rank1 = str(error.value).split("rank 1:")
     assert "in barrier" in rank0 and "waits_at_a_barrier_alone" in rank0
     assert "in barrier" not in rank1 and "waits_at_a_barrier_alone" in rank1
