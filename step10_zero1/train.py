@@ -201,6 +201,8 @@ def parse_args(argv=None):
             parser.error(
                 f"--max_tokens {args.max_tokens} is less than one step's {tokens_per_step}"
             )
+        # Whole steps of this run's batch; a resume counts the tokens trained before it again.
+        args.max_steps_given, args.tokens_per_step = args.max_steps, tokens_per_step
         args.max_steps = min(args.max_steps, args.max_tokens // tokens_per_step)
     return args
 
@@ -616,8 +618,25 @@ def resume(checkpoint, args, model, zero, optimizer, scheduler, train_loader, pg
             f"changes from {sizes[0]} to {sizes[1]}; training goes on from row "
             f"{train_loader.position:,} of the data"
         )
+    stop_at_max_tokens(args, step, train_loader.position * args.seq_len)
     follow_this_runs_schedule(args, optimizer, scheduler, step)
     return step
+
+
+def stop_at_max_tokens(args, step, tokens):
+    """With --max_tokens, after a resume: the run stops when the tokens trained so far (in the
+    saved run's batches, which may differ from this run's) and whole steps of this run's batch
+    reach it."""
+    if args.max_tokens is None:
+        return
+    left = max(0, args.max_tokens - tokens) // args.tokens_per_step
+    stop = min(args.max_steps_given, step + left)
+    if stop != args.max_steps:
+        log(
+            f"--max_tokens {args.max_tokens}: {tokens:,} tokens trained by step {step}, then "
+            f"{args.tokens_per_step:,} a step: the run stops after step {stop}"
+        )
+    args.max_steps = stop
 
 
 def follow_this_runs_schedule(args, optimizer, scheduler, step):

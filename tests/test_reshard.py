@@ -100,11 +100,14 @@ def test_one_process_checkpoint_resumes_on_eight_ranks(tmp_path, reference, one_
 def test_a_changed_global_batch_is_said_and_training_goes_on(tmp_path, reference):
     """dp 2 with 2 micro-batches each: 8 rows a step instead of 4, from the same row on; and
     twice the learning rate (3e-3 by default), which the run follows from there: in warm-up (10
-    steps), step 7 trains at 7 / 10 of it. The tokens count the rows of both batch sizes."""
+    steps), step 7 trains at 7 / 10 of it. The tokens count the rows of both batch sizes, and
+    --max_tokens stops the run when they reach it (1024 tokens: 6 steps of 128, then one of 256)."""
     flags, nproc = layout(dp=2)
     flags[flags.index("--gradient_accumulation_steps") + 1] = "2"
-    flags += ["--learning_rate", "6e-3"]
-    resumed, stdout = resume("bigger", tmp_path, reference[1], flags, nproc, 7)
+    flags += ["--learning_rate", "6e-3", "--max_tokens", "1024"]
+    resumed, stdout = resume("bigger", tmp_path, reference[1], flags, nproc, 100)
+    stop = "--max_tokens 1024: 768 tokens trained by step 6, then 256 a step: the run stops after"
+    assert f"{stop} step 7\n" in stdout
     assert "the learning rate of step 7 is 4.200e-03 with this run's" in stdout
     assert "the saved run's was 2.100e-03" in stdout
     assert resumed[0]["lr"] == pytest.approx(6e-3 * 7 / 10, rel=1e-12)
