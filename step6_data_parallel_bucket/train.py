@@ -432,6 +432,8 @@ def resume(args, model, optimizer, scheduler, train_loader, device, pgm):
     step = load_checkpoint(path, model, optimizer, scheduler, train_loader, device, pgm)
     log(f"resumed from {path} at step {step}")
     stop_at_max_tokens(args, step, train_loader.position * args.seq_len)
+    if step >= args.max_steps:  # a finished run started again: it only evaluates and samples
+        log(f"step {step} is at or past the last step, {args.max_steps}: nothing left to train")
     follow_this_runs_schedule(args, optimizer, scheduler, step)
     return step
 

@@ -71,6 +71,11 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     assert [r["lr"] for r in read_log(longer)] == rates
     assert f"the learning rate of step 11 is {rates[0]:.3e}" in result.stdout
     assert f"the saved run's was {expected[10]['lr']:.3e}" in result.stdout
+    # Started again once finished (its latest checkpoint, step 30, is past --max_steps 20).
+    again = tmp_path / "again.jsonl"
+    result = step3(tmp_path, "--save_dir", str(save_dir), "--resume", "--log_file", str(again))
+    assert "step 30 is at or past the last step, 20: nothing left to train" in result.stdout
+    assert not [r for r in read_log(again) if "loss" in r]
 
 
 def test_step3_log_file_and_loss_falls(tmp_path):
