@@ -694,9 +694,11 @@ def main(argv=None):
     config = load_config(args)
     checkpoint = checkpoint_to_resume(args, config)
     model = build_model(config, device, args.seed, pgm)
-    if args.init_from_hf:
+    if args.init_from_hf and checkpoint is None:
         load_hf_weights(model, args.init_from_hf)
         log(f"weights from {args.init_from_hf}")
+    elif args.init_from_hf:  # a job that starts from it, started again: the run goes on
+        log(f"--init_from_hf {args.init_from_hf}: not loaded, the run resumes from its checkpoint")
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
     step_fn = torch.compile(stage) if args.compile else stage

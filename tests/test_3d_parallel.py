@@ -105,7 +105,8 @@ def tiny_hf_config(**fields):
 def test_init_from_hf_into_a_layout(tmp_path, layout, fields):
     """A transformers checkpoint loaded slice by slice: the first step's loss (computed before
     the update) is the transformers model's loss on the same batch. Tied, the file has no
-    lm_head: the last stage's copy takes the embedding's slices."""
+    lm_head: the last stage's copy takes the embedding's slices. With --resume, the first start
+    loads the folder; started again (dp 2 x tp 2), the run resumes from its checkpoint instead."""
     config = tiny_hf_config(**fields)
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(config).eval()
@@ -120,11 +121,18 @@ def test_init_from_hf_into_a_layout(tmp_path, layout, fields):
     log_file = tmp_path / "log.jsonl"
     args = ["--init_from_hf", str(tmp_path / "hf"), "--seq_len", "32", "--micro_batch_size", "2"]
     args += ["--max_steps", "1", "--gradient_accumulation_steps", "2", *layout, *COMMON]
-    args += ["--log_file", str(log_file)]
-    check(run_step(STEP, args, nproc=math.prod(map(int, layout[1::2]))))
+    args += ["--log_file", str(log_file), "--save_dir", str(tmp_path / "run"), "--resume"]
+    result = check(run_step(STEP, args, nproc=math.prod(map(int, layout[1::2]))))
+    assert "--resume: no checkpoint in" in result.stdout and "weights from" in result.stdout
     dp = 2 if "--dp_size" in layout else 1
     expected = mean_loss(reference, first_micro_batches("train", 2 * dp))
     assert read_log(log_file)[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    if dp == 2:  # the same job started again: it resumes from its checkpoint, not the folder
+        args[args.index("--max_steps") + 1] = "2"
+        result = check(run_step(STEP, args, nproc=4))
+        assert "not loaded, the run resumes from its checkpoint" in result.stdout
+        assert "weights from" not in result.stdout
+        assert [r["step"] for r in read_log(log_file)] == [1, 2]
 
 
 def test_init_from_hf_refuses_what_the_model_would_not_compute(tmp_path):
