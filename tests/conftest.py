@@ -187,7 +187,7 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
 
 def _init_and_run(rank, step, world, store_path, fn, args):
     stack = open(f"{store_path}-stack{rank}", "w")  # noqa: SIM115 (written until the process ends)
-    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=False)  # asked for on a timeout
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)  # asked for on a timeout
     for module in STEP_MODULES:  # what fn imports comes from `step`
         sys.modules.pop(module, None)
     sys.path.insert(0, str(ROOT / step))
