@@ -171,7 +171,8 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
                         if process.is_alive():  # it writes where it waits, then goes
                             os.kill(process.pid, signal.SIGUSR1)
                             time.sleep(1)
-                            stack = Path(f"{store}-stack{rank}").read_text()
+                            stack = Path(f"{store}-stack{rank}")
+                            stack = stack.read_text() if stack.exists() else "(not started)\n"
                             stacks.append(f"rank {rank}:\n{stack}")
                         process.kill()
                     raise TimeoutError(
