@@ -21,6 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_MODULES = [
     "model",
     "utils",
+    "comm_stats",
+    "flags",
+    "bookkeeping",
+    "hf_import",
     "process_group_manager",
     "dataloader",
     "checkpoint",
