@@ -37,6 +37,7 @@ from torch import nn
 
 from data_parallel import Bucket, DataParallelBucket, OverlapTimeline
 from tensor_parallel import is_sharded
+from utils import log
 
 MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
 
@@ -248,3 +249,15 @@ def optimizer_state_bytes(optimizer):
         for key in MOMENTS
         if key in state
     )
+
+
+def log_optimizer_state(optimizer, zero):
+    """Logs, on every rank, the bytes of its AdamW moments, a shard of those of its stage and tp
+    slice; returns them. AdamW creates its moments at the first step: call it after one."""
+    size, shards = optimizer_state_bytes(optimizer), dist.get_world_size(zero.dp_group)
+    log(
+        f"optimizer state: {size:,} bytes of AdamW moments on this rank, 1/{shards} of those of "
+        f"its stage and tp slice",
+        all_ranks=True,
+    )
+    return size

@@ -14,12 +14,16 @@ backward goes on: fewer, larger messages, and communication hidden behind comput
 `--dp_timeline` shows it: `OverlapTimeline` records when each bucket's all-reduce ran.
 """
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from utils import log
 
 
 class DataParallelNaive(nn.Module):
@@ -172,6 +176,26 @@ class DataParallelBucket(nn.Module):
         if self.timeline is not None:
             self.timeline.reset()
 
+    def report_overlap(self, bucket_size_mb, trace_path=""):
+        """With --dp_timeline: how the buckets' collectives overlapped the backward that launched
+        them, on this rank. With a trace path, rank 0 also writes the step as a Chrome trace
+        (chrome://tracing and ui.perfetto.dev open it; tools/plot_timeline.py draws it)."""
+        timeline = self.timeline
+        backward, busy, during, waited = timeline.summary()
+        n = len(timeline.sizes)
+        buckets = f"{n} bucket{'s' if n > 1 else ''} of at most {bucket_size_mb:g} MB"
+        figures = (
+            f"backward {backward:.1f} ms | {timeline.collective}s in flight {busy:.1f} ms, "
+            f"{during:.0%} of that during backward | waited {waited:.1f} ms after it"
+        )
+        log(f"dp overlap: {buckets}, {self.launched_in_backward} launched in backward | {figures}")
+        if trace_path and dist.get_rank() == 0:
+            ranks = dist.get_world_size(self.dp_group)
+            title = f"{timeline.collective} over {ranks} ranks, {buckets}: {figures}"
+            trace = {"traceEvents": timeline.trace_events(), "otherData": {"title": title}}
+            Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(trace_path).write_text(json.dumps(trace))
+
 
 ### begin Overlap timeline
 class OverlapTimeline:
@@ -182,6 +206,11 @@ class OverlapTimeline:
     NCCL's when it is queued on the GPU, hence CPU only)."""
 
     def __init__(self, buckets):
+        if buckets[0].grad_data.is_cuda:
+            # NCCL's wait returns when the collective is queued on the GPU, not when it has run.
+            raise ValueError(
+                "--dp_timeline times gloo's all-reduces on CPU; on CUDA use --profile DIR"
+            )
         self.index = {id(bucket): i for i, bucket in enumerate(buckets)}
         self.collective = buckets[0].collective
         self.sizes = [

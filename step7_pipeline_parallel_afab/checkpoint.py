@@ -22,6 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from transformers import LlamaConfig
 
+from utils import log
+
 
 def write_atomically(path, text):
     tmp = path.with_name(f".{path.name}.tmp")
@@ -51,6 +53,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm):
         os.replace(tmp, final)
         write_atomically(save_dir / "latest", final.name)
     dist.barrier()  # no rank runs ahead of a checkpoint being written
+    log(f"saved {final}")
     return final
 
 
@@ -152,4 +155,5 @@ def load_checkpoint(path, model, optimizer, scheduler, loader, device, pgm):
     torch.set_rng_state(state["rng"]["cpu"].cpu())
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
+    log(f"resumed from {path} at step {state['step']}")
     return state["step"]

@@ -18,6 +18,8 @@ import torch
 from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
 
+from utils import log
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
@@ -83,6 +85,21 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
     if len(rows) == 0:
         raise ValueError(f"the dataset is too small for one row of seq_len + 1 = {row} tokens")
     return rows.with_format("torch")
+
+
+def load_data(args, vocab_size):
+    """--tokenizer_name, and --dataset_name's training and validation splits in rows of
+    --seq_len + 1 tokens."""
+    tokenizer = load_tokenizer(args.tokenizer_name)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
+        )
+    train, validation = load_splits(args.dataset_name, args.seed)
+    train = tokenize(train, tokenizer, args.seq_len, args.num_proc)
+    validation = tokenize(validation, tokenizer, args.seq_len, args.num_proc)
+    log(f"data {args.dataset_name}: {len(train):,} training rows, {len(validation):,} validation")
+    return tokenizer, train, validation
 
 
 class MicroBatchDataLoader:

@@ -32,7 +32,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model import LlamaForCausalLM
-from tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pipeline_parallel import check_pipeline_parallel
+from tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_tensor_parallel,
+)
+from utils import log
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, shaped and split like their parameter
@@ -113,6 +120,7 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm, ba
         os.replace(tmp, final)
         write_atomically(save_dir / "latest", final.name)
     dist.barrier()  # no rank runs ahead of a checkpoint being written
+    log(f"saved {final}")
     return final
 
 
@@ -296,3 +304,69 @@ def load_checkpoint(path, index, model, optimizer, scheduler, loader):
     if "cuda" in trainer["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(trainer["rng"]["cuda"])  # this rank's device
     return trainer["step"], trainer["batch"]
+
+
+def check_resume(path, config, args):
+    """The checkpoint to resume (from `find_checkpoint`) and its index, checked against this model
+    and layout before any weight exists; None to start from step 0."""
+    if path is None:
+        return None
+    index = check_checkpoint(path, config)
+    try:  # build_model checks the same, but here the message can say what would work
+        check_tensor_parallel(config, args.tp_size)
+        check_pipeline_parallel(config, args.pp_size)
+    except ValueError as error:
+        tp_sizes = [t for t in range(1, config.num_attention_heads + 1) if valid_tp(config, t)]
+        raise ValueError(
+            f"cannot resume {path} at tp {args.tp_size} x pp {args.pp_size}: {error}. This "
+            f"model takes tp_size in {tp_sizes} and pp_size up to {config.num_hidden_layers}"
+        ) from error
+    return path, index
+
+
+def valid_tp(config, tp_size):
+    try:
+        check_tensor_parallel(config, tp_size)
+    except ValueError:
+        return False
+    return True
+
+
+def resume(checkpoint, model, optimizer, scheduler, loader, args, pgm):
+    """Load the checkpoint into this layout, whatever layout saved it; returns its step."""
+    path, index = checkpoint
+    step, saved = load_checkpoint(path, index, model, optimizer, scheduler, loader)
+    layouts = [
+        " x ".join(f"{axis} {sizes[f'{axis}_size']}" for axis in ["tp", "pp", "dp"])
+        for sizes in [index["layout"], vars(pgm)]
+    ]
+    log(f"resumed from {path} at step {step}: saved at {layouts[0]}, running at {layouts[1]}")
+    batch = global_batch(args, pgm)
+    if rows_per_step(batch) != rows_per_step(saved) or batch["seq_len"] != saved["seq_len"]:
+        # The data position counts rows, so the run goes on from there with other batches.
+        sizes = [
+            f"{rows_per_step(b)} rows "
+            f"({b['micro_batch_size']} x {b['gradient_accumulation_steps']} x {b['dp_size']}) "
+            f"of {b['seq_len']} tokens"
+            for b in [saved, batch]
+        ]
+        log(
+            f"the global batch (micro_batch_size x gradient_accumulation_steps x dp_size) "
+            f"changes from {sizes[0]} to {sizes[1]}; training goes on from row "
+            f"{loader.position:,} of the data"
+        )
+    return step
+
+
+def rows_per_step(batch):
+    return batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["dp_size"]
+
+
+def global_batch(args, pgm):
+    """The sizes that make one step's batch, saved with every checkpoint."""
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "dp_size": pgm.dp_size,
+        "seq_len": args.seq_len,
+    }

@@ -16,15 +16,18 @@ copies one weight: equal at the start, the same summed gradient at every step.
 
 # B micro-batch, T tokens, D hidden, V vocab
 
+import json
 import time
 from collections import deque
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tensor_parallel import grad_squares
+from utils import log
 
 
 def stage_layers(num_layers, pp_rank, pp_size):
@@ -227,6 +230,46 @@ class Schedule:
                 events.append(span(kind, kind, start, stop, stage))
             previous = max(previous, stop)
         return events
+
+    def report(self, m, engine, pgm, trace_path=""):
+        """With --pp_timeline: each stage's timeline, its peak of held micro-batches and its idle
+        fraction, beside the textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both
+        idle (p - 1) / (m + p - 1). With a trace path, rank 0 also writes its pipeline's step as
+        a Chrome trace, one track per stage (chrome://tracing and ui.perfetto.dev open it;
+        tools/plot_timeline.py draws it)."""
+        end, p, r = time.time_ns(), pgm.pp_size, pgm.pp_rank
+        expected_peak = m if engine == "afab" else min(p - r, m)
+        log(
+            f"pp stage {r} {engine}: {' '.join(self.timeline)} | held at most "
+            f"{self.peak_in_flight} micro-batches (expected {expected_peak}) | bubble "
+            f"{self.bubble():.2f} (textbook {(p - 1) / (m + p - 1):.2f})",
+            all_ranks=True,
+        )
+        if trace_path:
+            stages = [None] * p
+            dist.all_gather_object(stages, self.trace_events(r, end), group=pgm.pp_group)
+            if dist.get_rank() == 0:
+                info = {"engine": engine, "pp_size": p, "micro_batches": m}
+                write_trace(trace_path, stages, info)
+                log(f"pp timeline of this step: {trace_path}")
+
+
+def write_trace(path, stages, info):
+    """The stages' events as one Chrome trace: a named track per stage, in order, from time 0."""
+    events = [event for stage in stages for event in stage]
+    origin = min(event["ts"] for event in events)
+    for event in events:
+        event["ts"] -= origin
+    for s in range(len(stages)):
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
+        )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as file:
+        json.dump({"traceEvents": events, "otherData": info}, file)
 
 
 def span(name, category, start, end, stage, **args):

@@ -150,12 +150,13 @@ def test_init_from_hf_refuses_what_the_model_would_not_compute(tmp_path):
         shutil.copy(tmp_path / "model.safetensors", tmp_path / field)
         args = train.parse_args(["--init_from_hf", str(tmp_path / field), "--seq_len", "32"])
         with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
-            train.LlamaForCausalLM(train.load_config(args))  # the first thing build_model does
+            config = train.load_config(args, train.config_flag(args))
+            train.LlamaForCausalLM(config)  # the first thing build_model does
     config = tiny_hf_config()  # the same checkpoint, its config.json now without biases
     config.save_pretrained(tmp_path)
     stray = r"parameter for the checkpoint's model\.layers\.0\.self_attn\.k_proj\.bias, "
     with pytest.raises(ValueError, match=stray + ".* and 7 more"):
-        train.load_hf_weights(train.LlamaForCausalLM(config), tmp_path)
+        sys.modules["hf_import"].load_hf_weights(train.LlamaForCausalLM(config), tmp_path)
 
 
 def test_init_from_hf_refuses_overrides(tmp_path):

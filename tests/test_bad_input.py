@@ -119,9 +119,14 @@ CASES = [
     (S3, "--max_tokens 10", "--max_tokens 10 is less than one step's 64"),
     (S3, "--resume", "--resume needs --save_dir"),
     (S3, "--save_every 5", "--save_every needs --save_dir, the folder to save to"),
-    (S3, "--model_name {tmp}/nothing", "could not load the model config '{tmp}/nothing'"),
-    (S3, "--model_name {tmp}/no_config", "'{tmp}/no_config': the folder has no valid config.json"),
-    (S3, "--model_name {tmp}/gpt2", "'{tmp}/gpt2' is a 'gpt2' model, not a Llama one"),
+    (S3, "--model_name {tmp}/nothing", "--model_name {tmp}/nothing: could not load the model"),
+    (
+        S3,
+        "--model_name {tmp}/no_config",
+        "--model_name {tmp}/no_config: could not load the model config: the folder has no valid",
+    ),
+    (S3, "--model_name {tmp}/gpt2", "--model_name {tmp}/gpt2 is a 'gpt2' model, not a Llama one"),
+    (S3, "--learning_rate inf", "--learning_rate must be finite, got inf"),
     (
         S3,
         "--model_name {tmp}/small_vocab",

@@ -218,7 +218,7 @@ def test_a_layout_the_model_cannot_take_is_refused(reference, sizes, message):
     train = import_step(STEP, "train")
     args = train.parse_args([*SHAPE, *sizes, "--save_dir", str(reference[1].parent), "--resume"])
     with pytest.raises(ValueError, match=message) as error:
-        train.checkpoint_to_resume(args, train.load_config(args))
+        train.check_resume(train.find_checkpoint(args), train.load_config(args), args)
     assert "This model takes tp_size in [1, 2, 4] and pp_size up to 2" in str(error.value)
 
 

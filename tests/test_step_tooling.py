@@ -24,8 +24,21 @@ from steps import step_files, step_folders, step_number  # noqa: E402
 # the step must be byte-identical to the previous step. A new step needs an entry here.
 # Entries for steps not written yet are guesses: correct them when the step is written.
 STEP_CHANGES = {
-    "step2_process_group_manager": {"process_group_manager.py", "train.py", "README.md"},
-    "step3_dataloader": {"dataloader.py", "checkpoint.py", "utils.py", "train.py", "README.md"},
+    "step2_process_group_manager": {
+        "process_group_manager.py",
+        "comm_stats.py",
+        "train.py",
+        "README.md",
+    },
+    "step3_dataloader": {
+        "dataloader.py",
+        "checkpoint.py",
+        "utils.py",
+        "flags.py",
+        "bookkeeping.py",
+        "train.py",
+        "README.md",
+    },
     "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
     "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
     "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
@@ -36,7 +49,7 @@ STEP_CHANGES = {
         "README.md",
     },
     "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
-    "step9_3d_parallel": {"checkpoint.py", "train.py", "README.md"},
+    "step9_3d_parallel": {"checkpoint.py", "hf_import.py", "train.py", "README.md"},
     "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
     "step11_context_parallel": {
         "context_parallel.py",
@@ -340,6 +353,41 @@ def test_model_identical_in_every_step():
         f"model.py differs from {models[0].parent.name}'s in {differ}: fix it in the earliest "
         "step and run tools/carry_forward.py"
     )
+
+
+# Modules that no later step changes: byte-identical from the step that introduces them on, so
+# they never show in a later patch. Run plumbing lives here, not in train.py.
+FROZEN_FROM = {
+    "model.py": "step1_model",
+    "comm_stats.py": "step2_process_group_manager",
+    "utils.py": "step3_dataloader",
+    "flags.py": "step3_dataloader",
+    "bookkeeping.py": "step3_dataloader",
+    "hf_import.py": "step9_3d_parallel",
+}
+
+
+def test_frozen_modules_identical_from_their_step():
+    steps = real_steps()
+    problems = []
+    for name, first in FROZEN_FROM.items():
+        later = [s for s in steps if step_number(s) >= step_number(ROOT / first)]
+        if not (ROOT / first / name).is_file():
+            problems.append(f"{first} has no {name}")
+            continue
+        want = (ROOT / first / name).read_bytes()
+        problems += [
+            f"{s.name}/{name} differs from {first}'s (or is missing): change it there and run "
+            "tools/carry_forward.py"
+            for s in later
+            if not (s / name).is_file() or (s / name).read_bytes() != want
+        ]
+    assert not problems, "\n".join(problems)
+
+
+def test_patches_leave_the_lessons_out():
+    for patch in sorted((ROOT / "patches").glob("*.patch")):
+        assert "diff --git a/README.md" not in patch.read_text(), patch.name
 
 
 def test_steps_change_only_declared_files():

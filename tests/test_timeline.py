@@ -41,12 +41,11 @@ def test_profile_refuses_a_run_too_short_to_record():
 
 
 def schedule_trace(tmp_path):
-    """A trace written the way train.py writes it, from two Schedules run in this process: stage
+    """A trace written as Schedule.report writes it, from two Schedules run in this process: stage
     0 runs F1 F2 B1 B2, stage 1 F1 B1 F2 B2; before every forward or backward, a pause of 2 ms,
     spent blocked on a receive before the forwards and on nothing (the loop) before the
     backwards, and after each backward 2 ms blocked on a send."""
     pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
-    train = import_step(ONE_F_ONE_B, "train")
     stages = []
     for order in (["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]):
         schedule = pp.Schedule()
@@ -61,7 +60,7 @@ def schedule_trace(tmp_path):
         assert schedule.peak_in_flight == (2 if order[1] == "F1" else 1)
         stages.append(schedule.trace_events(len(stages), time.time_ns()))
     path = tmp_path / "trace.json"
-    train.write_trace(path, stages, {"engine": "test", "pp_size": 2, "micro_batches": 2})
+    pp.write_trace(path, stages, {"engine": "test", "pp_size": 2, "micro_batches": 2})
     return path
 
 

@@ -78,6 +78,10 @@ def check_path(path: str) -> None:
         raise ValueError(f"cannot write a patch header for {path!r}: use a plain ASCII file name")
 
 
+# A step's lesson is read whole, not as a diff against the previous lesson.
+LESSON = "README.md"
+
+
 def file_diff(path: str, old: Path | None, new: Path | None) -> tuple[str, int, int]:
     """The git-style diff of one file, and its numbers of added and removed lines."""
     check_path(path)
@@ -106,10 +110,11 @@ def make_patch(root: Path, earlier: Path, later: Path) -> tuple[str, str]:
     parts = [
         f"Changes from {earlier.name} to {later.name}, written by tools/make_patches.py.\n"
         "Paths are relative to the step folder. To turn a copy of the earlier step into the\n"
-        f"later one: git apply --directory=<copy> {PATCH_DIR}/{later.name}.patch\n\n"
+        f"later one: git apply --directory=<copy> {PATCH_DIR}/{later.name}.patch\n"
+        f"The step's {LESSON}, its lesson, is left out: read it whole.\n\n"
     ]
     changed = added = removed = 0
-    for path in sorted(old_files | new_files):
+    for path in sorted((old_files | new_files) - {LESSON}):
         diff, plus, minus = file_diff(
             path,
             earlier / path if path in old_files else None,
