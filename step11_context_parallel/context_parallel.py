@@ -28,8 +28,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 
 from model import LlamaAttention, apply_rotary, rotary_cos_sin
+
+aten = torch.ops.aten
 
 
 def chunk_ids(cp_rank, cp_size):
@@ -77,13 +80,61 @@ def sum_heads(x, num_kv_heads):
     return x.unflatten(1, (num_kv_heads, -1)).sum(2)  # (B, H, C, d) -> (B, K, C, d)
 
 
-def scores(q, k, causal):
-    """Scaled dot products, (B, H, C, C); on the diagonal block a query sees no later key."""
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(later, float("-inf"))
-    return s
+def attend(q, k, v, causal):
+    """One block of attention with a fused kernel: its output (B, H, C, d), softmax within the
+    block, and the log-sum-exp of its scores (B, H, C), without storing the (C, C) scores. On the
+    diagonal block (`causal`) a query sees no later key. k and v may have fewer heads (GQA)."""
+    if q.device.type == "cuda":
+        return attend_cuda(q, k, v, causal)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse  # lse: natural log, (B, H, C) laid out as (B, C, H)
+
+
+def attend_backward(grad_out, q, k, v, out, lse, causal):
+    """The block's share of dq, dk and dv, given the output and lse of the *whole* softmax: the
+    kernel recomputes P = exp(s - lse), the final softmax's entries of this block, and its delta
+    = rowsum(dO * O) from `out`, so the shares of all blocks add up to the whole gradient."""
+    if q.device.type == "cuda":
+        return attend_backward_cuda(grad_out, q, k, v, out, lse, causal)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal
+    )
+
+
+def cuda_kernel(q, k, v, causal):
+    """FlashAttention where it runs (bf16 or fp16, recent GPUs), else the memory-efficient
+    kernel (fp32 too); both return the lse."""
+    params = SDPAParams(q, k, v, None, 0.0, causal, False)
+    if can_use_flash_attention(params):
+        return "flash"
+    if can_use_efficient_attention(params, True):  # True: the warnings say why not
+        return "efficient"
+    raise ValueError(f"no fused attention kernel for {q.dtype} queries of shape {tuple(q.shape)}")
+
+
+def attend_cuda(q, k, v, causal, kernel=None):
+    k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])  # (B, H, C, d)
+    if (kernel or cuda_kernel(q, k, v, causal)) == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse[..., : q.shape[2]]  # its lse is padded to a multiple of 32 queries
+
+
+def attend_backward_cuda(grad_out, q, k, v, out, lse, causal, kernel=None):
+    K, k, v = k.shape[1], expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+    no_rng = torch.empty((), dtype=torch.long, device=q.device)  # no dropout: never read
+    if (kernel or cuda_kernel(q, k, v, causal)) == "flash":
+        grad_q, grad_k, grad_v = aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+            causal, no_rng, no_rng,
+        )  # fmt: skip
+    else:
+        padded = torch.nn.functional.pad(lse, (0, -q.shape[2] % 32))  # as the kernel gave it
+        grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, padded, no_rng, no_rng, 0.0, [True] * 3 + [False],
+            causal,
+        )  # fmt: skip
+    return grad_q, sum_heads(grad_k, K), sum_heads(grad_v, K)
 
 
 def merge(out, lse, block_out, block_lse):
@@ -103,9 +154,27 @@ def blocks(cp_rank, source, cp_size):
                 yield i, j, k_chunk == q_chunk
 
 
+def spans(cp_rank, source, cp_size, C):
+    """The blocks of `blocks` joined into as few kernel calls as they allow: (queries, keys,
+    causal), slices of this rank's T = 2C tokens and of the source's. Against its own keys the
+    three blocks are one causal call over both chunks (they are in order, so the causal mask of
+    the two together is that of the three); blocks that make a rectangle, one call."""
+    found = list(blocks(cp_rank, source, cp_size))
+    chunks = lambda first, last: slice(first * C, (last + 1) * C)
+    if source == cp_rank:
+        assert found == [(0, 0, True), (1, 0, False), (1, 1, True)], found
+        yield chunks(0, 1), chunks(0, 1), True
+        return
+    rows, cols = sorted({i for i, _, _ in found}), sorted({j for _, j, _ in found})
+    if found and len(found) == len(rows) * len(cols):
+        yield chunks(rows[0], rows[-1]), chunks(cols[0], cols[-1]), False
+    else:
+        yield from ((chunks(i, i), chunks(j, j), False) for i, j, _ in found)
+
+
 def without_autocast(function):
-    """Run forward or backward with autocast off on the device of its first tensor: under
-    autocast, `@` would compute the fp32 scores and the merge in bf16."""
+    """Run forward or backward with autocast off on the device of its first tensor: the blocks
+    run in the dtype of q, k and v, and the merge in fp32, whatever autocast would choose."""
 
     @functools.wraps(function)
     def run(ctx, first, *args):
@@ -118,37 +187,35 @@ def without_autocast(function):
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries (B, H, T, d) over the whole sequence, whose keys
     and values (B, K, T, d) are spread over the cp group, T = 2 chunks per rank (`chunk_ids`).
-    Computed in fp32, returned in the queries' dtype."""
+    Each block runs in the inputs' dtype (fp32 or bf16), the merge in fp32 (fp64 for fp64)."""
 
     @staticmethod
     @without_autocast
     def forward(ctx, q, k, v, group):
         cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
-        H = q.shape[1]
-        queries = q.float().chunk(2, dim=2)  # 2 x (B, H, C, d)
-        out = [torch.zeros_like(x) for x in queries]
-        lse = [torch.full(x.shape[:-1], float("-inf"), device=x.device) for x in queries]
-        kv = [k.float().contiguous(), v.float().contiguous()]  # the block held, from `source`
+        (B, H, T, d), C = q.shape, q.shape[2] // 2
+        exact = torch.promote_types(q.dtype, torch.float32)  # what the merge runs in
+        # (B, H, T, d), laid out as (B, T, H, d): o_proj's input is then a view, not a copy.
+        out = q.new_zeros(B, T, H, d, dtype=exact).transpose(1, 2)
+        lse = q.new_full((B, H, T), -torch.inf, dtype=exact)
+        kv = [k.contiguous(), v.contiguous()]  # the block held, from `source`
         for step in range(cp_size):
             source = (cp_rank - step) % cp_size
             if step < cp_size - 1:  # the next block travels while this one is computed
                 received, requests = ring_send_recv(kv, group)
-            keys, values = (expand_heads(x, H).chunk(2, dim=2) for x in kv)
-            for i, j, causal in blocks(cp_rank, source, cp_size):
-                s = scores(queries[i], keys[j], causal)  # (B, H, C, C)
-                block_lse = s.logsumexp(-1)  # (B, H, C)
-                block_out = (s - block_lse.unsqueeze(-1)).exp() @ values[j]  # (B, H, C, d)
-                out[i], lse[i] = merge(out[i], lse[i], block_out, block_lse)
+            for mine, theirs, causal in spans(cp_rank, source, cp_size, C):
+                keys, values = (x[:, :, theirs] for x in kv)
+                block_out, block_lse = attend(q[:, :, mine], keys, values, causal)
+                block = block_out.to(exact), block_lse.to(exact)
+                out[:, :, mine], lse[:, :, mine] = merge(out[:, :, mine], lse[:, :, mine], *block)
             if step < cp_size - 1:
                 for request in requests:
                     request.wait()
                 kv = received
-        lse = torch.cat(lse, dim=2)  # (B, H, T)
-        # (B, H, T, d), laid out as (B, T, H, d): o_proj's input is then a view, not a copy.
-        out = torch.cat(out, dim=2).transpose(1, 2).contiguous().transpose(1, 2)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group = group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     @without_autocast
@@ -156,43 +223,41 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
-        H, K = q.shape[1], k.shape[1]
-        queries = q.float().chunk(2, dim=2)  # 2 x (B, H, C, d)
-        grad_out = grad_out.float()
-        # softmax backward: dS = P * (dP - rowsum(dO * O)), the row sums once for all blocks
-        delta = (grad_out * out).sum(-1).chunk(2, dim=2)  # 2 x (B, H, C)
-        grad_out, lse = grad_out.chunk(2, dim=2), lse.chunk(2, dim=2)
-        grad_q = [torch.zeros_like(x) for x in queries]
-        kv = [k.float().contiguous(), v.float().contiguous()]
-        # The gradient of the block held, summed over the ranks it has visited; it travels with it.
-        grad_kv = [torch.zeros_like(x) for x in kv]
+        exact, C = lse.dtype, q.shape[2] // 2  # the blocks' shares add up in fp32 (fp64)
+        grad_out = grad_out.to(q.dtype)
+        grad_q = torch.zeros_like(q, dtype=exact)
+        kv = [k.contiguous(), v.contiguous()]
+        # The gradient of the block held travels with it, summed over the ranks it has visited:
+        # the previous rank's sum arrives while this rank computes its own share.
+        grad_kv, grad_requests = None, []
         for step in range(cp_size):
             source = (cp_rank - step) % cp_size
             if step < cp_size - 1:
                 received, requests = ring_send_recv(kv, group)
-            keys, values = (expand_heads(x, H).chunk(2, dim=2) for x in kv)
-            grad_keys = [torch.zeros_like(x) for x in keys]  # per query head, (B, H, C, d)
-            grad_values = [torch.zeros_like(x) for x in values]
-            for i, j, causal in blocks(cp_rank, source, cp_size):
-                s = scores(queries[i], keys[j], causal)
-                p = (s - lse[i].unsqueeze(-1)).exp()  # the final softmax's entries of this block
-                grad_values[j] += p.transpose(-1, -2) @ grad_out[i]
-                grad_p = grad_out[i] @ values[j].transpose(-1, -2)  # (B, H, C, C)
-                grad_s = p * (grad_p - delta[i].unsqueeze(-1)) * q.shape[-1] ** -0.5
-                grad_q[i] += grad_s @ keys[j]
-                grad_keys[j] += grad_s.transpose(-1, -2) @ queries[i]
-            grad_kv[0] += sum_heads(torch.cat(grad_keys, dim=2), K)
-            grad_kv[1] += sum_heads(torch.cat(grad_values, dim=2), K)
-            if cp_size > 1:  # after the last step, this sends each block's gradient home
+            share = [torch.zeros_like(x, dtype=exact) for x in kv]  # this rank's, (B, K, T, d)
+            for mine, theirs, causal in spans(cp_rank, source, cp_size, C):
+                dq, dk, dv = attend_backward(
+                    grad_out[:, :, mine], q[:, :, mine], *(x[:, :, theirs] for x in kv),
+                    out[:, :, mine], lse[:, :, mine], causal,
+                )  # fmt: skip
+                grad_q[:, :, mine] += dq
+                share[0][:, :, theirs] += dk
+                share[1][:, :, theirs] += dv
+            for request in grad_requests:
+                request.wait()
+            if grad_kv is not None:  # the sum of the ranks before: none for this rank's own
+                for x, y in zip(share, grad_kv, strict=True):
+                    x.add_(y)
+            grad_kv = share
+            if cp_size > 1:  # to the rank that holds the block next; after the last step, home
                 grad_kv, grad_requests = ring_send_recv(grad_kv, group)
-                for request in grad_requests:
-                    request.wait()
             if step < cp_size - 1:
                 for request in requests:
                     request.wait()
                 kv = received
-        grad_q = torch.cat(grad_q, dim=2).to(q.dtype)
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
+        for request in grad_requests:
+            request.wait()
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
 
 
 ### end Ring attention

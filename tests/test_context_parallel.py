@@ -1,8 +1,13 @@
-"""Step 11, context parallelism: ring attention gives the output and the gradients of PyTorch's
-causal attention on the whole sequence, and a layer's attention those of LlamaAttention; training
-at cp 2, cp 2 x tp 2 and pp 2 x cp 2 gives step 3's losses and gradient norms."""
+"""Step 11, context parallelism: each block of ring attention, on a fused kernel, gives the output,
+log-sum-exp and gradients of the readable version that materialises its scores; ring attention
+gives the output and the gradients of PyTorch's causal attention on the whole sequence, with the
+memory of a few (T/cp, d) tensors per rank at 16 k tokens, and a layer's attention those of
+LlamaAttention; training at cp 2, cp 2 x tp 2 and pp 2 x cp 2 gives step 3's losses and gradient
+norms."""
 
+import re
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +20,7 @@ from conftest import (
     assert_same_training,
     assert_weights_readable_as_config,
     check,
+    import_step,
     read_log,
     run_step,
     spawn,
@@ -29,6 +35,96 @@ SHAPES = [(2, 4, 2, 16, 8), (1, 6, 1, 32, 4), (2, 3, 3, 8, 16)]
 TOLERANCE = 1e-5  # fp32: only the order of the sums differs
 
 
+# ---- one block: the fused kernel against the readable version ---------------------------------
+
+
+def math_attend(q, k, v, causal):
+    """`attend` as the lesson writes it, the reference of the fused kernels: the block's (C, C)
+    scores materialised, its log-sum-exp, the softmax within the block times the values."""
+    from context_parallel import expand_heads
+
+    k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])  # (B, H, C, d)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (B, H, C, C)
+    if causal:  # on the diagonal block a query sees no later key
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(later, float("-inf"))
+    lse = s.logsumexp(-1)  # (B, H, C)
+    return (s - lse.unsqueeze(-1)).exp() @ v, lse
+
+
+def math_attend_backward(grad_out, q, k, v, out, lse, causal):
+    """`attend_backward` as the lesson writes it: the final softmax's entries of this block,
+    P = exp(s - lse), and dS = P * (dP - rowsum(dO * O))."""
+    from context_parallel import expand_heads, sum_heads
+
+    K, k, v = k.shape[1], expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(later, float("-inf"))
+    p = (s - lse.unsqueeze(-1)).exp()  # (B, H, C, C)
+    grad_v = p.transpose(-1, -2) @ grad_out
+    grad_p = grad_out @ v.transpose(-1, -2)  # (B, H, C, C)
+    delta = (grad_out * out).sum(-1, keepdim=True)  # (B, H, C, 1)
+    grad_s = p * (grad_p - delta) * q.shape[-1] ** -0.5
+    return grad_s @ k, sum_heads(grad_s.transpose(-1, -2) @ q, K), sum_heads(grad_v, K)
+
+
+# (B, H, K, queries, keys, d, causal): GQA, a rectangle without mask, a length not a multiple of 32
+BLOCKS = [(2, 4, 2, 16, 16, 8, True), (1, 6, 1, 24, 40, 4, False), (2, 3, 3, 33, 33, 16, True)]
+# fp64 and fp32: the order of sums only; bf16 against the fp64 reference: its rounding
+BLOCK_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def relative_difference(got, want):
+    """max |got - want| relative to the reference's largest entry (at least 1)."""
+    return ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
+def check_blocks(device, dtype):
+    """`attend` against `math_attend` in fp64 on the same (rounded) inputs, and `attend_backward`
+    given the output and lse of a softmax over more keys than the block's (another block of
+    keys seen in full): the block's share of the gradient, as the ring uses it."""
+    context_parallel = import_step(STEP, "context_parallel")
+    for B, H, K, C, S, d, causal in BLOCKS:
+        generator = torch.Generator().manual_seed(C * 100 + S)
+        q, grad_out = (torch.randn(B, H, C, d, generator=generator) for _ in range(2))
+        k, v, other_k, other_v = (torch.randn(B, K, S, d, generator=generator) for _ in range(4))
+        inputs = [x.to(device, dtype) for x in (q, k, v, other_k, other_v, grad_out)]
+        q, k, v, other_k, other_v, grad_out = (x.double() for x in inputs)  # the rounded values
+        where = f"{(B, H, K, C, S, d, causal)} {dtype} on {device.type}"
+
+        got = context_parallel.attend(*inputs[:3], causal)
+        want = math_attend(q, k, v, causal)
+        for name, x, y in zip(["out", "lse"], got, want, strict=True):
+            diff = relative_difference(x, y)
+            assert diff < BLOCK_TOLERANCE[dtype], f"{name} of {where}: {diff:.2e}"
+
+        # The whole softmax over [the other keys, this block's]: its output and lse.
+        other = math_attend(q, other_k, other_v, False)
+        out, lse = context_parallel.merge(*other, *want)
+        lse_dtype = torch.promote_types(dtype, torch.float32)  # the kernels' lse: fp32, fp64
+        got = context_parallel.attend_backward(
+            inputs[5], *inputs[:3], out.to(dtype), lse.to(lse_dtype), causal
+        )
+        want = math_attend_backward(grad_out, q, k, v, out, lse, causal)
+        for name, x, y in zip(["dq", "dk", "dv"], got, want, strict=True):
+            assert x.shape == y.shape, f"{name} of {where}: {x.shape}"
+            diff = relative_difference(x, y)
+            assert diff < BLOCK_TOLERANCE[dtype], f"{name} of {where}: {diff:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_block_equals_math(dtype):
+    check_blocks(torch.device("cpu"), dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_equals_math_on_cuda(dtype):
+    check_blocks(torch.device("cuda"), dtype)
+
+
 # ---- ring attention against F.scaled_dot_product_attention on one process ----------------------
 
 
@@ -36,31 +132,44 @@ def max_difference(got, want):
     return (got - want).abs().max().item()
 
 
+# The ring in each dtype against SDPA on the whole sequence: fp32 as before (only the order of the
+# sums differs), fp64 within rounding, bf16 (blocks in bf16, the merge in fp32) against fp64,
+# relative to the largest entry (bf16 keeps 8 bits of each number).
+RING_DTYPES = {torch.float32: (torch.float32, TOLERANCE), torch.float64: (torch.float64, 1e-12)}
+RING_DTYPES[torch.bfloat16] = (torch.float64, 2e-2)
+
+
 def ring_against_sdpa(rank, group):
     from context_parallel import RingAttention, split_sequence
 
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
-    for B, H, K, T, d in SHAPES:
+    for (B, H, K, T, d), dtype in [(shape, d) for shape in SHAPES for d in RING_DTYPES]:
         if T % (2 * cp_size):
             continue
+        reference, tolerance = RING_DTYPES[dtype]
         generator = torch.Generator().manual_seed(T * 1000 + H)
-        q, k, v = (torch.randn(B, n, T, d, generator=generator) for n in (H, K, K))
-        grad_out = torch.randn(B, H, T, d, generator=generator)
-        whole = [x.clone().requires_grad_() for x in (q, k, v)]
+        q, k, v = (torch.randn(B, n, T, d, generator=generator).to(dtype) for n in (H, K, K))
+        grad_out = torch.randn(B, H, T, d, generator=generator).to(dtype)
+        whole = [x.to(reference, copy=True).requires_grad_() for x in (q, k, v)]
         want = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=True)
-        want.backward(grad_out)
+        want.backward(grad_out.to(reference))
         mine = [split_sequence(x, cp_rank, cp_size, dim=2).requires_grad_() for x in (q, k, v)]
         got = RingAttention.apply(*mine, group)
         got.backward(split_sequence(grad_out, cp_rank, cp_size, dim=2))
         pairs = [(got, want)] + [(x.grad, y.grad) for x, y in zip(mine, whole, strict=True)]
         for name, (x, y) in zip(["out", "dq", "dk", "dv"], pairs, strict=True):
-            diff = max_difference(x, split_sequence(y, cp_rank, cp_size, dim=2))
-            where = f"{(B, H, K, T, d)} at cp {cp_size}, rank {rank}"
-            assert diff < TOLERANCE, f"{name} of {where}: {diff:.2e}"
+            assert x.dtype == dtype, f"{name}: {x.dtype}"
+            y = split_sequence(y, cp_rank, cp_size, dim=2)
+            diff = max_difference(x.to(reference), y)
+            if dtype == torch.bfloat16:
+                diff /= y.abs().max().item()
+            where = f"{(B, H, K, T, d)} {dtype} at cp {cp_size}, rank {rank}"
+            assert diff < tolerance, f"{name} of {where}: {diff:.2e}"
 
 
 def ring_ignores_autocast(group):
-    """Under bf16 autocast the ring still computes in fp32: the same bits as without it."""
+    """Under bf16 autocast the ring computes as without it (blocks in the inputs' dtype, the merge
+    in fp32): the same bits."""
     from context_parallel import RingAttention
 
     generator = torch.Generator().manual_seed(dist.get_rank(group))
@@ -137,6 +246,64 @@ def attention_checks(rank, world):
 
 def test_ring_attention_equals_full_attention(tmp_path):
     spawn(STEP, attention_checks, 4, tmp_path)
+
+
+# ---- memory at a long sequence ----------------------------------------------------------------
+
+LONG = (1, 2, 1, 16384, 8)  # (B, H, K, T, d): 16 k tokens, cp 2: chunks of 4,096
+STATUS = Path("/proc/self/status")
+
+
+def resident(field):
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in bytes."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", STATUS.read_text()).group(1)) * 1024
+
+
+def peak_bytes(function):
+    """The most memory `function` held at once, as the peak of this process's resident memory
+    over the resident memory it started with (Linux: the peak is reset by writing 5 to
+    /proc/self/clear_refs). Big buffers are mapped and unmapped whole, so each counts."""
+    Path("/proc/self/clear_refs").write_text("5")
+    start = resident("VmRSS")
+    function()
+    return resident("VmHWM") - start
+
+
+def ring_memory(rank, world):
+    """At cp 2 and 16 k tokens a rank of ring attention holds, forward and backward, a few tensors
+    of its (T/cp, d) shape: under a limit of 32 times its queries' bytes (16 MiB), which one block
+    of (C, C) fp32 scores (128 MiB for its 2 heads) alone would exceed; and it saves for backward
+    exactly q, k, v, the output and the lse."""
+    from context_parallel import RingAttention, split_sequence
+
+    B, H, K, T, d = LONG
+    generator = torch.Generator().manual_seed(0)
+    whole = [torch.randn(B, n, T, d, generator=generator) for n in (H, K, K, H)]
+    q, k, v, grad_out = (split_sequence(x, rank, world, dim=2) for x in whole)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    saved = []
+
+    def step():
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            out = RingAttention.apply(*leaves, dist.group.WORLD)
+        out.backward(grad_out)
+
+    step()  # the first step allocates what every step reuses (gloo's, the allocator's)
+    saved.clear()
+    peak = peak_bytes(step)
+    limit = 32 * q.nbytes
+    C = T // (2 * world)
+    block = B * H * C * C * 4  # one (C, C) block of fp32 scores
+    assert peak < limit < block, f"rank {rank}: {peak:,} bytes at peak, limit {limit:,}"
+    # the measure sees a block of scores, were one materialised
+    assert peak_bytes(lambda: torch.ones(B, H, C, C)) > limit
+    want = 2 * q.nbytes + k.nbytes + v.nbytes + B * H * (T // world) * 4  # out like q, lse fp32
+    assert sum(x.nbytes for x in saved) == want, [x.shape for x in saved]
+
+
+@pytest.mark.skipif(not STATUS.exists(), reason="measures memory through /proc (Linux)")
+def test_ring_attention_memory_at_16k_tokens(tmp_path):
+    spawn(STEP, ring_memory, 2, tmp_path)
 
 
 def attention_against_llama(rank, group):
