@@ -15,6 +15,7 @@ chunks of every row's inputs and targets (context_parallel.split_sequence).
 
 # B micro-batch size, T tokens per row
 
+import json
 from pathlib import Path
 
 import torch
@@ -45,13 +46,27 @@ def offline_hint(what, name, default, error):
 
 
 def load_tokenizer(name):
+    path = resolve(name, "tokenizers")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve(name, "tokenizers"))
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
+        if Path(path).is_dir():  # the folder is there: one of its files is what is wrong
+            message = f"could not load the tokenizer {name!r}: {broken_file(path, error)}"
+            raise ValueError(message) from error
         raise offline_hint("tokenizer", name, "tinytales", error) from error
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer {name!r} has no end-of-text token to separate documents")
     return tokenizer
+
+
+def broken_file(folder, error):
+    """Which of a tokenizer folder's JSON files cannot be parsed, and the parser's words."""
+    for file in sorted(Path(folder).glob("*.json")):
+        try:
+            json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as parse_error:
+            return f"{file} is not valid JSON ({parse_error})"
+    return f"its files in {folder} cannot be read as a tokenizer ({type(error).__name__}: {error})"
 
 
 def load_splits(name, seed, text_column="text"):

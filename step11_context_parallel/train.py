@@ -4,11 +4,12 @@ torchrun --nproc_per_node 2 step11_context_parallel/train.py --cp_size 2
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, find_checkpoint, warmup_cosine
+from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
 from checkpoint import check_resume, global_batch, resume, save_checkpoint
 from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_data
@@ -73,11 +74,14 @@ def setup_distributed(args):
     check_sizes(world_size, args.tp_size, args.pp_size, args.dp_size, args.cp_size)
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
     if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size, args.cp_size), device
+    check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
+    sizes = args.tp_size, args.pp_size, args.dp_size, args.cp_size
+    return ProcessGroupManager(*sizes, timeout=timeout), device
 
 
 ### end Process groups
@@ -141,8 +145,7 @@ def loss_fn(logits, targets, pgm):
 
 def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape` is that of the activations passed between stages, (B, T, D); `tied`, the embedding's
-    copies on the first and last stage."""
+    `shape`: the (B, T, D) activations between stages; `tied`: the embedding's two copies."""
     model.zero_grad(set_to_none=True)
     ### begin Pipeline parallelism
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
@@ -158,10 +161,11 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     ### begin ZeRO-1
     model.sum_tied_gradients(tied)  # the tied embedding's two copies, one gradient: before clipping
     grad_norm = model.clip_grad_norm(args.grad_clip, pgm, tied)  # of the whole model
-    optimizer.step()  # this rank's shard only
-    model.all_gather_parameters()
+    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+        optimizer.step()  # this rank's shard only
+        model.all_gather_parameters()
+        scheduler.step()
     ### end ZeRO-1
-    scheduler.step()
     # The loss lives on the last stage: the sum over the pp group brings it to every rank.
     dist.all_reduce(total, group=pgm.pp_group)
     # Each replica saw its own share, each cp rank its chunks (all of the same size): the logged
@@ -224,7 +228,7 @@ def main(argv=None):
     set_seed(args.seed)
     config = load_config(args, config_flag(args))
     # Per device: all world_size devices share the work of the step's tokens.
-    run = Run(args, device, flops_per_token(config, args.seq_len) / pgm.world_size)
+    run = Run(args, device, flops_per_token(config, args.seq_len) / pgm.world_size, pgm)
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(config, device, args.seed, pgm)
     init_from_hf(model, args, resuming=checkpoint is not None)
@@ -241,10 +245,8 @@ def main(argv=None):
     wrapped = DataParallelZero1(wrapped, group, args.bucket_size_mb, tied.weight, timeline)
     optimizer, scheduler = build_optimizer(model, args, device, wrapped.shard)
     ### end ZeRO-1
-    num_params = sum(p.numel() for p in model.parameters())
-    log(
-        f"model {args.model_name}: {num_params:,} parameters per rank on {device}, autocast {dtype}"
-    )
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")
     tokenizer, train_loader, val_loader = build_data(args, config, device, pgm)
     if checkpoint:
         step = resume(checkpoint, model, wrapped, optimizer, scheduler, train_loader, args, pgm)
@@ -252,7 +254,7 @@ def main(argv=None):
     for step in range(run.start_step + 1, args.max_steps + 1):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
-        with run.communication(pgm):  # --comm_stats: what the step sends
+        with run.communication():  # --comm_stats: what the step sends
             loss, grad_norm = train_step(
                 wrapped, batch, optimizer, scheduler, args, device, dtype, pgm, shape, tied
             )

@@ -29,8 +29,9 @@ AT_LEAST_ONE = [
     "eval_steps",
     "save_every",
     "num_proc",
+    "max_nonfinite_skips",
 ]
-ABOVE_ZERO = ["learning_rate", "grad_clip"]
+ABOVE_ZERO = ["learning_rate", "grad_clip", "dist_timeout_s"]
 ZERO_OR_MORE = ["weight_decay", "warmup_steps", "eval_every", "sample_tokens"]
 
 
@@ -55,12 +56,31 @@ def make_parser(description):
     train.add_argument("--weight_decay", type=float, default=0.1)
     train.add_argument("--grad_clip", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=42)
+    train.add_argument(
+        "--on_nonfinite",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a step whose loss or gradient norm is inf or nan on any rank: stop before its "
+        "update (default), or skip its update and go on",
+    )
+    train.add_argument(
+        "--max_nonfinite_skips",
+        type=int,
+        default=3,
+        help="with skip: stop after this many in a row",
+    )
     system = parser.add_argument_group("system")
     system.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     system.add_argument("--dtype", default="auto", help="autocast dtype: auto, float32, bfloat16")
     system.add_argument("--compile", action="store_true", help="torch.compile the model")
     system.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU")
     system.add_argument("--log_every", type=int, default=1)
+    system.add_argument(
+        "--dist_timeout_s",
+        type=float,
+        default=600,
+        help="seconds a collective may wait for the other ranks before the job stops",
+    )
     parallel = parser.add_argument_group("parallelism (the sizes multiply to the world size)")
     parallel.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks")
     parallel.add_argument("--dp_size", type=int, default=1, help="data-parallel ranks")
@@ -81,6 +101,13 @@ def make_parser(description):
     run.add_argument("--save_dir", help="write checkpoints here (none if not given)")
     run.add_argument("--save_every", type=int, help="every N steps (100), and always at the end")
     run.add_argument("--resume", action="store_true", help="continue from save_dir's latest")
+    run.add_argument("--keep_last", type=int, help="keep only the newest N checkpoints (all)")
+    run.add_argument(
+        "--low_disk",
+        choices=["stop", "skip_save"],
+        default="stop",
+        help="when a checkpoint would not fit on the disk: stop (default), or skip it and train on",
+    )
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
@@ -103,7 +130,8 @@ def parse(parser, argv, tokens_per_step):
     if args.save_every is not None and not args.save_dir:
         parser.error("--save_every needs --save_dir, the folder to save to")
     args.save_every = 100 if args.save_every is None else args.save_every
-    for name in AT_LEAST_ONE + [name for name in OVERRIDES if getattr(args, name) is not None]:
+    given = [name for name in [*OVERRIDES, "keep_last"] if getattr(args, name) is not None]
+    for name in AT_LEAST_ONE + given:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     for name in ABOVE_ZERO:
@@ -116,6 +144,8 @@ def parse(parser, argv, tokens_per_step):
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if args.profile and args.max_steps < 3:
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
+    if args.keep_last is not None and not args.save_dir:
+        parser.error("--keep_last needs --save_dir, the folder it keeps checkpoints in")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     for flag in [a.option_strings[0] for a in parser._actions if a.metavar == "TRACE_JSON"]:

@@ -7,12 +7,13 @@ Every rank still trains its own copy; see README.md for what each piece does.
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bookkeeping import Run, find_checkpoint, warmup_cosine
+from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
 from checkpoint import load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
@@ -41,11 +42,13 @@ def setup_distributed(args):
     check_sizes(world_size, args.tp_size, args.pp_size, args.dp_size)
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
     if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size), device
+    check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
+    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size, timeout=timeout), device
 
 
 ### end Process groups
@@ -100,8 +103,9 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype):
         loss.backward()
         total += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
-    scheduler.step()
+    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+        optimizer.step()
+        scheduler.step()
     return total.item(), grad_norm.item()
 
 
@@ -143,14 +147,12 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     set_seed(args.seed)
     config = load_config(args)
-    run = Run(args, device, flops_per_token(config, args.seq_len))
+    run = Run(args, device, flops_per_token(config, args.seq_len), pgm)
     model = build_model(config, device, args.seed)
     optimizer, scheduler = build_optimizer(model, args, device)
     wrapped = torch.compile(model) if args.compile else model
-    num_params = sum(p.numel() for p in model.parameters())
-    log(
-        f"model {args.model_name}: {num_params:,} parameters per rank on {device}, autocast {dtype}"
-    )
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")
     tokenizer, train_loader, val_loader = build_data(args, config, device)
     checkpoint = find_checkpoint(args)
     if checkpoint:
@@ -159,7 +161,7 @@ def main(argv=None):
     for step in range(run.start_step + 1, args.max_steps + 1):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
-        with run.communication(pgm):  # --comm_stats: what the step sends
+        with run.communication():  # --comm_stats: what the step sends
             loss, grad_norm = train_step(wrapped, batch, optimizer, scheduler, args, device, dtype)
         run.end(loss, grad_norm, train_loader.position * args.seq_len)
         if run.should_validate():

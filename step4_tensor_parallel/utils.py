@@ -56,14 +56,43 @@ def run_main(main):
     except ValueError as error:
         if Path(traceback.extract_tb(error.__traceback__)[-1].filename).resolve().parent != HERE:
             raise
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
-        if int(os.environ.get("RANK", 0)) != 0:
-            time.sleep(REPORT_DELAY)
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
-        # busy machine, and torchrun stops the other ranks only when this one has exited.
-        os._exit(2)
+        report_and_exit(f"error: {error}", 2)
+    except RuntimeError as error:  # gloo's collective timeout (NCCL's watchdog reports its own)
+        if "Timed out waiting" not in str(error):
+            raise
+        report_and_exit(timed_out(error), 3)
+
+
+def report_and_exit(message, status):
+    """Print `message` once for the job (rank 0 at once, another rank only if rank 0 has not
+    stopped the job within REPORT_DELAY seconds, the lowest first) and exit with `status`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
+    rank = int(os.environ.get("RANK", 0))
+    if rank != 0:
+        time.sleep(REPORT_DELAY + rank)
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
+    # busy machine, and torchrun stops the other ranks only when this one has exited.
+    os._exit(status)
+
+
+def timed_out(error):
+    """Which rank waited, and on what line of the steps' code: a collective that a stalled, dead
+    or diverging rank never joined."""
+    ours = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if Path(f.filename).resolve().parent == HERE
+    ]
+    code = ours[-1].line.split("  #")[0] if ours else ""  # the call, without its comment
+    where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}, `{code}`" if ours else ""
+    rank = os.environ.get("RANK", 0)
+    return (
+        f"error: rank {rank} waited --dist_timeout_s for a collective that did not complete"
+        f"{where}: another rank stalled, died, or is waiting in a different collective. Every "
+        f"rank stops. ({str(error).splitlines()[0]})"
+    )
 
 
 def check_output_path(flag, path, folder):

@@ -1,12 +1,14 @@
 """The run's bookkeeping, the same whatever the layout: where a step's numbers go (the console, a
 JSON-lines file, Weights & Biases), the profiler, when to validate and save, SIGTERM, and what a
 resume restores beyond the checkpoint (the --max_tokens count, this run's learning rate
-schedule).
+schedule); and what a run that goes wrong does: a step whose loss or gradient norm is not finite
+is never applied (--on_nonfinite), a checkpoint is not begun on a disk it would not fit
+(--low_disk), old checkpoints are removed (--keep_last).
 
-    run = Run(args, device, flops_per_token)
+    run = Run(args, device, flops_per_token, pgm)
     for step in range(run.start_step + 1, args.max_steps + 1):
         run.begin(step, optimizer)
-        with run.communication(pgm):          # --comm_stats: what the first step sends
+        with run.communication():             # --comm_stats: what the first step sends
             ...                               # one training step
         run.end(loss, grad_norm, tokens)
         if run.should_validate(): run.record["val_loss"] = evaluate(...)
@@ -18,6 +20,8 @@ schedule).
 
 import json
 import math
+import os
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,6 +98,43 @@ def find_checkpoint(args):
     return path
 
 
+def all_finite(*tensors):
+    """Whether every value of `tensors` is finite on every rank: the ranks decide alike (a MIN
+    over the world), so a step that is bad on one rank is applied on none."""
+    flag = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() == 1.0
+
+
+def check_restarts(environ):
+    """torchrun --max_restarts N restarts the workers after a failure, but with the rendezvous
+    store shared with the workers (its default) the new group cannot connect: say so at start."""
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        log(
+            f"warning: torchrun may restart these workers (--max_restarts {restarts}), but a "
+            "restarted group cannot reconnect unless torchrun runs with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
+
+
+def folder_bytes(folder):
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def prune_checkpoints(save_dir, keep):
+    """Remove all but the newest `keep` checkpoints, never the one `latest` names nor one being
+    written (.step_*.tmp). Each goes by a rename first, so a crash leaves it whole or hidden."""
+    save_dir, latest = Path(save_dir), latest_checkpoint(save_dir)
+    done = sorted(p for p in save_dir.glob("step_*") if p.is_dir())
+    for path in done[: max(0, len(done) - keep)]:
+        if latest is None or path.name != latest.name:
+            doomed = path.with_name(f".{path.name}.deleting")
+            os.replace(path, doomed)
+    for doomed in save_dir.glob(".step_*.deleting"):
+        shutil.rmtree(doomed)
+
+
 def warmup_cosine(optimizer, args):
     """The learning rate: linear warm-up over --warmup_steps, then cosine decay to 10 % of
     --learning_rate at --max_steps (read at every step: a resume may move it)."""
@@ -108,15 +149,16 @@ def warmup_cosine(optimizer, args):
 
 
 class Run:
-    """One run's bookkeeping. `flops_per_token`: the training FLOPs one device spends per token of
-    the step, for the throughput and MFU of the step line."""
+    """One run's bookkeeping on the grid `pgm`. `flops_per_token`: the training FLOPs one device
+    spends per token of the step, for the throughput and MFU of the step line."""
 
-    def __init__(self, args, device, flops_per_token):
-        self.args, self.device, self.flops = args, device, flops_per_token
+    def __init__(self, args, device, flops_per_token, pgm):
+        self.args, self.device, self.flops, self.pgm = args, device, flops_per_token, pgm
         self.peak = peak_flops(device, args.peak_tflops)
         self.start_step, self.step, self.record = 0, 0, {}
         self.stop_signal, self.stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
         self.metrics = self.profiler = self.comm = None
+        self.skipped, self.in_a_row = 0, 0  # steps not applied (--on_nonfinite skip)
 
     def resumed(self, step, optimizer, scheduler, tokens):
         """After a checkpoint of `step` was loaded, with `tokens` trained by then."""
@@ -160,19 +202,23 @@ class Run:
             )
 
     def begin(self, step, optimizer):
-        """Before the step: its clock starts; the log and the profiler open at the first one."""
+        """Before the step: its clock starts; the log and the profiler open at the first one,
+        when also the disk is checked to hold a checkpoint."""
+        self.step, self.optimizer = step, optimizer
         if self.metrics is None:
             self.open()
-        self.step, self.lr, self.start = step, optimizer.param_groups[0]["lr"], time.perf_counter()
+            if self.args.save_dir:  # refused here, before any work, rather than at the first save
+                self.disk_holds_a_checkpoint()
+        self.lr, self.start = optimizer.param_groups[0]["lr"], time.perf_counter()
 
     @contextmanager
-    def communication(self, pgm):
+    def communication(self):
         """With --comm_stats, around the run's first step: every collective and send/receive it
         makes, by process group and kind, logged on every rank and written to the step's record."""
         if not (self.args.comm_stats and self.step == self.start_step + 1):
             yield
             return
-        with CommStats(pgm) as stats:
+        with CommStats(self.pgm) as stats:
             yield
         log(stats.table(), all_ranks=True)
         self.comm = stats.as_dict()
@@ -192,6 +238,76 @@ class Run:
         self.record.update(tokens=tokens, tokens_per_second=tokens_per_second)
         if self.comm:
             self.record["comm"], self.comm = self.comm, None
+        self.check_finite(loss, grad_norm)
+
+    def check_finite(self, loss, grad_norm):
+        """train_step applied no update if the loss or the gradient norm was not finite on some
+        rank (all_finite): stop here, before anything is validated or saved, or count the skip."""
+        finite = [math.isfinite(loss), math.isfinite(grad_norm)]
+        flags = torch.tensor(finite, dtype=torch.float32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # which quantity is bad on some rank
+        if flags.min().item() == 1.0:
+            self.in_a_row = 0
+            if self.skipped:  # the log counts the skips so far
+                self.record["skipped_steps"] = self.skipped
+            return
+        args, what = self.args, "the loss" if flags[0] < 1 else "the gradient norm"
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        self.record.update(skipped=True, skipped_steps=self.skipped)
+        if args.on_nonfinite == "skip" and self.in_a_row <= args.max_nonfinite_skips:
+            log(
+                f"step {self.step}: {what} is not finite on some rank; its update is skipped on "
+                f"every rank ({self.in_a_row} in a row, at most {args.max_nonfinite_skips})"
+            )
+            return
+        self.metrics.write(self.record)
+        latest = latest_checkpoint(args.save_dir) if args.save_dir else None
+        last = f"the last checkpoint, {latest}, is as it was" if latest else "no checkpoint"
+        if args.on_nonfinite == "skip":
+            what = f"{what} ({self.in_a_row} steps in a row)"
+        raise ValueError(
+            f"step {self.step}: {what} is not finite on some rank: the run stops before applying "
+            f"it and saves nothing ({last}). A lower --learning_rate or --grad_clip may help; "
+            f"--on_nonfinite skip skips such steps"
+        )
+
+    def disk_holds_a_checkpoint(self):
+        """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
+        before the first, an estimate from this rank's parameters and optimizer state (summed
+        over the ranks, less the dp replicas' copies). All ranks agree. With --low_disk stop a
+        checkpoint that would not fit stops the run; with skip_save the run trains on."""
+        args, latest = self.args, latest_checkpoint(self.args.save_dir)
+        if latest is not None and latest.is_dir():
+            needed = torch.tensor(float(folder_bytes(latest)), device=self.device)
+            dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+        else:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            state = [t for s in self.optimizer.state.values() for t in s.values()]
+            local = sum(t.numel() * t.element_size() for t in params + state if t.dim())
+            # AdamW's two moments, before the first step has made them.
+            local += 0 if state else 2 * sum(p.numel() * p.element_size() for p in params)
+            needed = torch.tensor(float(local), device=self.device)
+            dist.all_reduce(needed)
+            # The ranks that hold the same weights (dp, and cp from step 11) save them once.
+            replicas = self.pgm.dp_size * getattr(self.pgm, "cp_size", 1)
+            needed /= replicas
+        folder = next(p for p in [Path(args.save_dir), *Path(args.save_dir).parents] if p.exists())
+        free = shutil.disk_usage(folder).free
+        fits = torch.tensor(float(needed.item() < free), device=self.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if fits.item() == 1.0:
+            return True
+        message = (
+            f"--save_dir {args.save_dir}: a checkpoint of step {self.step} needs about "
+            f"{needed.item():,.0f} bytes and {folder} has {free:,} free"
+        )
+        if args.low_disk == "skip_save":
+            log(f"warning: {message}; not saved (--low_disk skip_save), training goes on")
+            return False
+        raise ValueError(
+            f"{message}. Free some space, keep fewer checkpoints (--keep_last N), or pass "
+            f"--low_disk skip_save to train on without saving"
+        )
 
     def last(self):
         return self.step == self.args.max_steps
@@ -215,11 +331,16 @@ class Run:
 
     def should_save(self):
         """Writes the step's record, then asks every rank whether SIGTERM came (they agree on
-        it): a checkpoint is due every save_every steps, at the last step, and when stopped."""
+        it): a checkpoint is due every save_every steps, at the last step, and when stopped, if
+        the disk holds it. Older checkpoints beyond --keep_last go first."""
         self.metrics.write(self.record)
         self.stopped = self.stop_signal.requested(self.device)
         due = self.step % self.args.save_every == 0 or self.last() or self.stopped
-        return bool(self.args.save_dir) and due
+        if not (self.args.save_dir and due):
+            return False
+        if self.args.keep_last and dist.get_rank() == 0:  # room for the one about to be written
+            prune_checkpoints(self.args.save_dir, self.args.keep_last - 1)
+        return self.disk_holds_a_checkpoint()
 
     def should_stop(self):
         if self.stopped:
@@ -232,6 +353,8 @@ class Run:
         if self.metrics is None:  # no step was left to train
             self.open()
         self.metrics.close()
+        if self.args.save_dir and self.args.keep_last and dist.get_rank() == 0:
+            prune_checkpoints(self.args.save_dir, self.args.keep_last)
         if self.profiler:
             self.profiler.stop()
             log(f"profile: one trace per rank in {self.args.profile}")

@@ -33,10 +33,12 @@ def grid(world_size, tp_size, pp_size, dp_size):
 
 
 class ProcessGroupManager:
-    """This rank's place in the grid, and the process group of each axis it belongs to."""
+    """This rank's place in the grid, and the process group of each axis it belongs to. `timeout`:
+    how long a collective of these groups may wait (None: PyTorch's default, 30 minutes on gloo)."""
 
-    def __init__(self, tp_size, pp_size, dp_size):
+    def __init__(self, tp_size, pp_size, dp_size, timeout=None):
         self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout = timeout
         check_sizes(self.world_size, tp_size, pp_size, dp_size)
         self.grid = grid(self.world_size, tp_size, pp_size, dp_size)
         coords = (self.grid == self.global_rank).nonzero()[0].tolist()
@@ -60,7 +62,7 @@ class ProcessGroupManager:
     def _new_group(self, rows):
         mine = None
         for ranks in rows.tolist():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=self.timeout)
             if self.global_rank in ranks:
                 mine = group
         assert mine is not None

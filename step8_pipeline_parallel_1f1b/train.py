@@ -4,11 +4,12 @@ torchrun --nproc_per_node 4 step8_pipeline_parallel_1f1b/train.py --pp_size 4 --
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, find_checkpoint, warmup_cosine
+from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
@@ -67,11 +68,13 @@ def setup_distributed(args):
     check_sizes(world_size, args.tp_size, args.pp_size, args.dp_size)
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
     if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size), device
+    check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
+    return ProcessGroupManager(args.tp_size, args.pp_size, args.dp_size, timeout=timeout), device
 
 
 ### end Process groups
@@ -131,8 +134,7 @@ def loss_fn(logits, targets, pgm):
 
 def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape` is that of the activations passed between stages, (B, T, D); `tied`, the embedding's
-    copies on the first and last stage."""
+    `shape`: the (B, T, D) activations between stages; `tied`: the embedding's two copies."""
     model.zero_grad(set_to_none=True)
     ### begin Pipeline parallelism
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
@@ -147,8 +149,9 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
         model.report_overlap(args.bucket_size_mb, args.dp_timeline)
     tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
     grad_norm = clip_grad_norm(model, args.grad_clip, pgm, tied)  # of the whole model
-    optimizer.step()
-    scheduler.step()
+    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+        optimizer.step()
+        scheduler.step()
     # The loss lives on the last stage: the sum over the pp group brings it to every rank.
     dist.all_reduce(total, group=pgm.pp_group)
     # Each replica saw its own share; the logged loss is the mean over the whole batch.
@@ -210,7 +213,7 @@ def main(argv=None):
     set_seed(args.seed)
     config = load_config(args)
     # Per device: all world_size devices share the work of the step's tokens.
-    run = Run(args, device, flops_per_token(config, args.seq_len) / pgm.world_size)
+    run = Run(args, device, flops_per_token(config, args.seq_len) / pgm.world_size, pgm)
     model = build_model(config, device, args.seed, pgm)
     optimizer, scheduler = build_optimizer(model, args, device)
     ### begin Pipeline parallelism
@@ -224,10 +227,8 @@ def main(argv=None):
     timeline = args.dp_timeline is not None
     wrapped = DataParallelBucket(wrapped, pgm.dp_group, args.bucket_size_mb, timeline)
     ### end Data parallelism
-    num_params = sum(p.numel() for p in model.parameters())
-    log(
-        f"model {args.model_name}: {num_params:,} parameters per rank on {device}, autocast {dtype}"
-    )
+    params = sum(p.numel() for p in model.parameters())
+    log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")
     tokenizer, train_loader, val_loader = build_data(args, config, device, pgm)
     checkpoint = find_checkpoint(args)
     if checkpoint:
@@ -236,7 +237,7 @@ def main(argv=None):
     for step in range(run.start_step + 1, args.max_steps + 1):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
-        with run.communication(pgm):  # --comm_stats: what the step sends
+        with run.communication():  # --comm_stats: what the step sends
             loss, grad_norm = train_step(
                 wrapped, batch, optimizer, scheduler, args, device, dtype, pgm, shape, tied
             )

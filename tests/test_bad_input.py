@@ -37,6 +37,11 @@ def files(tmp_path_factory):
         (tmp / name).mkdir()
         (tmp / name / "config.json").write_text(json.dumps({**config, **change}))
     (tmp / "a_file").write_text("not a folder")
+    # A tokenizer folder whose tokenizer.json is cut short.
+    (tmp / "badtok").mkdir()
+    for file in (ROOT / "assets/tokenizers/tinytales").iterdir():
+        (tmp / "badtok" / file.name).write_bytes(file.read_bytes())
+    (tmp / "badtok" / "tokenizer.json").write_text('{"version": "1.0", "trunc')
     (tmp / "a_folder").mkdir()
     (tmp / "no_config").mkdir()
     (tmp / "no_weights").mkdir()
@@ -133,6 +138,12 @@ CASES = [
         "tokenizer has 2048 tokens but the model's vocab_size is 1000",
     ),
     (S3, "--tokenizer_name {tmp}/nothing", "could not load the tokenizer '{tmp}/nothing'"),
+    (S3, "--tokenizer_name {tmp}/badtok", "{tmp}/badtok/tokenizer.json is not valid JSON (Unter"),
+    (S3, "--keep_last 2", "--keep_last needs --save_dir"),
+    (S3, "--keep_last 0 --save_dir {tmp}/k", "--keep_last must be at least 1, got 0"),
+    (S3, "--dist_timeout_s 0", "--dist_timeout_s must be above 0, got 0.0"),
+    (S3, "--max_nonfinite_skips 0", "--max_nonfinite_skips must be at least 1, got 0"),
+    (S3, "--on_nonfinite ignore", "argument --on_nonfinite: invalid choice: 'ignore'"),
     (S3, "--dataset_name {tmp}/nothing", "could not load the dataset '{tmp}/nothing'"),
     (S3, "--save_dir {tmp}/a_file", "--save_dir {tmp}/a_file is an existing file; give a folder"),
     (S3, "--save_dir {tmp}/a_file/run", "{tmp}/a_file is a file, so it cannot hold a folder"),

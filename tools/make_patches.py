@@ -3,7 +3,8 @@
 For every pair of consecutive step folders, patches/<later step>.patch holds the unified diff from
 the earlier folder to the later one. Paths in the patch are relative to the step folder, with git's
 a/ and b/ prefixes (`--- a/train.py`, `+++ b/train.py`), and added or removed files are diffed
-against /dev/null, so the patch turns a copy of the earlier step into the later step:
+against /dev/null, so the patch turns a copy of the earlier step into the later step, all but
+the step's README.md, which is left out (a lesson is read whole, not diffed against the last):
 
     cp -r step1_model my_step && git apply --directory=my_step patches/step2_<name>.patch
     cp -r step1_model my_step && patch -p1 -d my_step < patches/step2_<name>.patch
