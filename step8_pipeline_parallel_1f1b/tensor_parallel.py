@@ -1,12 +1,14 @@
 """Tensor parallelism (Megatron-LM style): every weight matrix split across the tp ranks.
 
 In a block, q/k/v (and gate/up) are split by output features ("column parallel"): each rank
-computes its own heads (its own slice of the MLP width) from the full input, with no
-communication. o_proj (and down_proj) are split by input features ("row parallel"): each rank
-multiplies its slice and one all-reduce sums the partial results. So a block costs two
-all-reduces forward (after attention, after the MLP) and two backward (where the replicated input
-fans out into the column-parallel layers). The embedding and lm_head are split over the
-vocabulary, and the loss is computed on the vocabulary shards without gathering the logits.
+computes its own heads (its own slice of the MLP width) from the full input, a local matmul.
+o_proj (and down_proj) are split by input features ("row parallel"): each rank multiplies its
+slice and one all-reduce, g (`Reduce`), sums the partial results. Backward mirrors it: the
+gradient of the sublayer's input is a partial sum on each rank (its heads' share), and one
+all-reduce, f (`Copy`), sums it where the replicated input enters the sublayer: once for q/k/v,
+once for gate/up. So a block costs two all-reduces of (B, T, D) forward and two backward. The
+embedding and lm_head are split over the vocabulary (lm_head's input has its own f), and the loss
+is computed on the vocabulary shards without gathering the logits.
 """
 
 # B batch, T tokens, D hidden, V vocab, F output features; "/tp": the slice one rank holds
@@ -63,7 +65,10 @@ class Gather(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W split by rows (output features): the output stays split, (.., F/tp)."""
+    """y = x W^T with W split by rows (output features): the output stays split, (.., F/tp).
+
+    A local matmul: its input gradient is this rank's part only. The input must come through f
+    (`Copy`), once for all the column-parallel layers that read it (`apply_tensor_parallel`)."""
 
     def __init__(self, in_features, out_features, group):
         super().__init__()
@@ -77,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
 
     def forward(self, x):
-        return F.linear(Copy.apply(x, self.group), self.weight)  # (.., D) -> (.., F/tp)
+        return F.linear(x, self.weight)  # (.., D) -> (.., F/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -181,8 +186,9 @@ PLAN = {
 
 
 def apply_tensor_parallel(model, group):
-    """Swap the model's layers for their tensor-parallel versions, following PLAN. Call it on the
-    meta device, before the weights exist; `init_weights` then gives each rank its slices."""
+    """Swap the model's layers for their tensor-parallel versions, following PLAN, and put f
+    (`Copy`) on every RMSNorm's output. Call it on the meta device, before the weights exist;
+    `init_weights` then gives each rank its slices."""
     for layer in model.model.layers:
         for name, parallel_class in PLAN.items():
             parent_name, child_name = name.split(".")
@@ -196,6 +202,14 @@ def apply_tensor_parallel(model, group):
     model.lm_head = ColumnParallelLinear(
         model.lm_head.in_features, model.lm_head.out_features, group
     )
+    # f where each replicated input enters column-parallel layers: the norm before attention
+    # (q/k/v), the norm before the MLP (gate/up) and the final norm (lm_head). A hook on the norm,
+    # not on the sublayer, so that a sublayer swapped in later (context parallelism's attention)
+    # keeps it, and model.py stays as it is.
+    norms = [layer.input_layernorm for layer in model.model.layers]
+    norms += [layer.post_attention_layernorm for layer in model.model.layers]
+    for norm in [*norms, model.model.norm]:
+        norm.register_forward_hook(lambda module, args, y: Copy.apply(y, group))  # f
     model.tie_weights()
     return model
 

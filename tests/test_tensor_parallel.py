@@ -25,12 +25,13 @@ def layers_worker(rank, world, batch_shape):
     ids = torch.randint(0, V, batch_shape)
     targets = torch.randint(0, V, batch_shape)
 
-    # Column parallel: rank r holds rows r*F/tp..(r+1)*F/tp of the weight and of the output.
+    # Column parallel: rank r holds rows r*F/tp..(r+1)*F/tp of the weight and of the output. Its
+    # input comes through f (`Copy`), as apply_tensor_parallel places it.
     dense = torch.nn.Linear(D, F_, bias=False)
     column = tp.ColumnParallelLinear(D, F_, group)
     column.weight.data.copy_(column.init_parameter("weight", lambda s: dense.weight.data))
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_dense, y_col = dense(x1), column(x2)
+    y_dense, y_col = dense(x1), column(tp.Copy.apply(x2, group))
     close(y_col, y_dense.chunk(world, -1)[rank], "column forward")
     upstream = torch.randn_like(y_dense)
     y_dense.backward(upstream)
@@ -139,6 +140,56 @@ def model_worker(rank, world, tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_model_matches_single_device(tmp_path, tied):
     spawn(STEP, model_worker, 2, tmp_path, tied)
+
+
+def count_worker(rank, world, tied):
+    from transformers import LlamaConfig
+
+    from model import LlamaForCausalLM
+    from tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+    group = dist.group.WORLD
+    B, T, D, L = 2, 9, 32, 2
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = apply_tensor_parallel(LlamaForCausalLM(config), group)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights(seed=3)
+    ids, targets = torch.randint(0, 64, (B, T)), torch.randint(0, 64, (B, T))
+
+    # Every all-reduce of one forward and backward, by phase, as the shape it reduced.
+    calls, phase, all_reduce = {"forward": [], "loss": [], "backward": []}, ["forward"], None
+
+    def counting_all_reduce(tensor, *args, group=None, **kwargs):
+        assert group is dist.group.WORLD, "an all-reduce off the tp group"
+        calls[phase[0]].append(tuple(tensor.shape))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    all_reduce, dist.all_reduce = dist.all_reduce, counting_all_reduce
+    try:
+        logits = model(ids)
+        phase[0] = "loss"
+        loss = vocab_parallel_cross_entropy(logits, targets, group)
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        dist.all_reduce = all_reduce
+    # Forward: the embedding's, then per block g after o_proj and g after down_proj: 1 + 2 * 2.
+    assert calls["forward"] == [(B, T, D)] * (1 + 2 * L), calls["forward"]
+    # The loss: the max, the sum of exponentials and the target's logit of every token.
+    assert calls["loss"] == [(B, T, 1), (B, T), (B, T)], calls["loss"]
+    # Backward: f before lm_head, then per block f before the MLP and f before attention:
+    # 1 + 2 * 2. The embedding's Reduce and the loss's have an identity backward.
+    assert calls["backward"] == [(B, T, D)] * (1 + 2 * L), calls["backward"]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_two_all_reduces_forward_and_two_backward_per_block(tmp_path, tied):
+    spawn(STEP, count_worker, 2, tmp_path, tied)
 
 
 def test_refuses_bad_tp_sizes():
