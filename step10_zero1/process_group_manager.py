@@ -2,8 +2,9 @@
 
 Global rank r sits at (dp_rank, pp_rank, tp_rank) in a grid of shape (dp_size, pp_size, tp_size),
 with tp varying fastest: ranks 0, 1, ... first fill one tensor-parallel group. Tensor parallelism
-talks twice per layer, so its ranks should be neighbours on the same node, on the fastest links;
-data parallelism talks once per step and can span nodes.
+all-reduces activations four times per layer (two forward, two backward), so its ranks should be
+neighbours on the same node, on the fastest links; data parallelism talks once per step and can
+span nodes.
 
     world 8, dp 2 x pp 2 x tp 2:   dp_rank 0: pp 0 [0 1]  pp 1 [2 3]
                                    dp_rank 1: pp 0 [4 5]  pp 1 [6 7]

@@ -2,9 +2,10 @@
 
 Global rank r sits at (dp_rank, pp_rank, cp_rank, tp_rank) in a grid of shape (dp_size, pp_size,
 cp_size, tp_size), with tp varying fastest, then cp: ranks 0, 1, ... first fill one
-tensor-parallel group. Tensor parallelism talks twice per layer, so its ranks should be neighbours
-on the same node, on the fastest links; context parallelism passes key/value blocks at every
-layer, so it comes next; data parallelism talks once per step and can span nodes.
+tensor-parallel group. Tensor parallelism all-reduces activations four times per layer (two
+forward, two backward), so its ranks should be neighbours on the same node, on the fastest links;
+context parallelism passes key/value blocks at every layer, so it comes next; data parallelism
+talks once per step and can span nodes.
 
     world 8, dp 2 x pp 1 x cp 2 x tp 2:   dp_rank 0: cp 0 [0 1]  cp 1 [2 3]
                                           dp_rank 1: cp 0 [4 5]  cp 1 [6 7]
