@@ -1,0 +1,210 @@
+"""The tools behind the foundation lessons are right: tools/collectives.py's rings give
+torch.distributed's results and send the bytes of the ring formulas; tools/grid.py's groups are
+those of the ProcessGroupManager of steps 2 and 11; tools/memory_table.py's measured bytes follow
+its formulas, and each other."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import LAUNCH, ROOT, TINY, import_step
+
+sys.path.insert(0, str(ROOT / "tools"))
+import collectives  # noqa: E402
+import grid as grid_tool  # noqa: E402
+
+
+### begin Collectives
+def demo(nproc, numel, torchrun):
+    """tools/collectives.py under torchrun's environment, or as plain python starting its ranks."""
+    script, size = str(ROOT / "tools" / "collectives.py"), ["--numel", str(numel)]
+    launcher = [f"--nproc_per_node={nproc}", script] if torchrun else ["--python", script]
+    command = [*LAUNCH, *launcher, *size] + ([] if torchrun else ["--nproc", str(nproc)])
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("nproc, numel, torchrun", [(4, 8, True), (3, 6, False), (2, 4096, False)])
+def test_collectives_demo(nproc, numel, torchrun):
+    """The demo checks each ring's result against torch.distributed's (and fails otherwise);
+    here, every tensor it prints follows the collective's definition, and every rank's bytes
+    sent follow the ring formula."""
+    result = demo(nproc, numel, torchrun)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, n, N = result.stdout, nproc, 8 * numel  # int64
+    x = [torch.arange(1, numel + 1) * 10**r for r in range(n)]
+    total = sum(x)
+    chunks = total.chunk(n)
+    want = {
+        "all-reduce": [(x[r], total) for r in range(n)],
+        "reduce-scatter": [(x[r], chunks[r]) for r in range(n)],
+        "all-gather": [(chunks[r], total) for r in range(n)],
+        "broadcast": [(x[r], x[0]) for r in range(n)],
+        "send/recv": [(x[r], x[(r - 1) % n]) for r in range(n)],
+    }
+    shown = re.findall(r"^  rank (\d+): \[([\d ]*)\] -> \[([\d ]*)\]$", out, re.MULTILINE)
+    if numel <= collectives.SHOWN:
+        assert len(shown) == 5 * n, out
+        for i, (rank, before, after) in enumerate(shown):
+            name, r = collectives.ORDER[i // n], i % n
+            assert int(rank) == r, out
+            got = [[int(v) for v in t.split()] for t in (before, after)]
+            assert got == [t.tolist() for t in want[name][r]], (name, r)
+    else:
+        assert not shown
+    assert "all-reduce = reduce-scatter then all-gather: equal on every rank" in out
+    sent = {}
+    for row in re.findall(r"^\| ([a-z/ +-]+) \| ([\d |]+) \|", out, re.MULTILINE):
+        sent[row[0]] = [int(v) for v in row[1].split("|")[:n]]
+    assert sent["all-reduce"] == [2 * (n - 1) * N // n] * n
+    assert sent["reduce-scatter"] == sent["all-gather"] == [(n - 1) * N // n] * n
+    assert sent["broadcast"] == [N] * (n - 1) + [0]  # along the chain, the last passes nothing
+    assert sent["send/recv"] == [N] * n
+    assert sent["reduce-scatter + all-gather"] == sent["all-reduce"]
+
+
+def test_collectives_demo_refuses_a_tensor_it_cannot_scatter():
+    result = demo(4, 6, torchrun=False)
+    assert result.returncode == 2
+    assert "--numel 6 must be a positive multiple of the 4 ranks" in result.stderr
+
+
+### end Collectives
+### begin Grid
+class FakeDist:
+    """torch.distributed for one rank of `world`, without processes: new_group returns its
+    ranks, so the groups a ProcessGroupManager keeps are the lists it built them from."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def get_rank(self, group=None):
+        return self.rank
+
+    def get_world_size(self, group=None):
+        return self.world
+
+    def new_group(self, ranks, **options):
+        return list(ranks)
+
+
+def manager(step, rank, sizes):
+    """Step `step`'s ProcessGroupManager of `rank`, built by its own code with FakeDist."""
+    module = import_step(step, "process_group_manager")
+    module.dist = FakeDist(rank, sizes["dp"] * sizes["pp"] * sizes["cp"] * sizes["tp"])
+    kwargs = {f"{axis}_size": sizes[axis] for axis in ["tp", "pp", "dp"]}
+    if step.startswith("step11"):
+        kwargs["cp_size"] = sizes["cp"]
+    return module.ProcessGroupManager(**kwargs)
+
+
+# Sizes that differ from each other: a group built along the wrong axis cannot pass for the right.
+LAYOUTS = [(2, 2, 1, 2), (2, 3, 2, 2), (3, 1, 2, 4), (1, 4, 3, 2), (2, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("dp, pp, cp, tp", LAYOUTS)
+def test_the_grid_picture_has_the_managers_groups(dp, pp, cp, tp):
+    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+    grid, groups = grid_tool.layout(dp, pp, cp, tp)
+    steps = ["step11_context_parallel"] + (["step2_process_group_manager"] if cp == 1 else [])
+    for step in steps:
+        axes = ["tp", "pp", "dp"] + (["cp", "dp_cp"] if step.startswith("step11") else [])
+        for rank in range(grid.numel()):
+            pgm = manager(step, rank, sizes)
+            where = grid_tool.coordinates(grid, rank)
+            assert [getattr(pgm, f"{a}_rank", 0) for a in grid_tool.AXES] == list(where.values())
+            for axis in axes:
+                mine = [g for g in groups[axis] if rank in g]
+                assert len(mine) == 1, (step, rank, axis)
+                assert getattr(pgm, f"{axis}_group_ids") == mine[0], (step, rank, axis)
+                assert getattr(pgm, f"{axis}_group") == mine[0], (step, rank, axis)  # built so
+        for axis in axes:  # the groups partition the world
+            members = sorted(r for g in groups[axis] for r in g)
+            assert members == list(range(grid.numel())), (step, axis)
+
+
+def test_the_grid_picture():
+    text = grid_tool.describe(2, 2, 1, 2)
+    assert "dp 0 │ 0 1 │ ──▶ │ 2 3 │" in text
+    assert "dp 1 │ 4 5 │ ──▶ │ 6 7 │" in text
+    assert "rank 3: dp 0/2 pp 1/2 cp 0/1 tp 1/2 | tp [2, 3] cp [3] pp [1, 3] dp [3, 7]" in text
+    assert all(len(line) <= 100 and line == line.rstrip() for line in text.splitlines())
+    assert grid_tool.main(["--tp", "0"]) == 2
+
+
+### end Grid
+### begin Memory table
+def run_memory_table(*args):
+    command = [*LAUNCH, "--python", str(ROOT / "tools" / "memory_table.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    """The table's command on the test-size model (4 layers, for step 8's pp 4): every layout."""
+    path = tmp_path_factory.mktemp("memory") / "figures.json"
+    tiny = dict(zip(TINY[::2], TINY[1::2], strict=True))
+    tiny["--num_hidden_layers"] = "4"
+    result = run_memory_table(*[a for pair in tiny.items() for a in pair], "--json", str(path))
+    figures = json.loads(path.read_text()) if path.exists() else {"rows": [], "shapes": {}}
+    return result, figures["rows"], figures["shapes"]
+
+
+def ranks_of(records, step):
+    """{global rank: its figures} of one step's layout."""
+    return {f["rank"]: f for r in records if r["step"] == step for f in r["figures"]}
+
+
+def test_memory_table_follows_its_formulas(memory):
+    result, records, _ = memory
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted({r["step"] for r in records}) == list(range(3, 12))
+    for record in records:  # the verdicts, checked again here with the stated tolerances
+        for figures in record["figures"]:
+            for quantity, (_, value, tolerance) in record["expected"].items():
+                assert abs(figures[quantity] - value) <= tolerance, (record["step"], quantity)
+    assert "| 10 | dp 2 x tp 2 |" in result.stdout
+
+
+def test_memory_figures_agree_with_each_other(memory):
+    """Relations between the layouts' own measurements, whatever the formulas say."""
+    _, records, shapes = memory
+    L, D = shapes["L"], shapes["D"]
+    norms = 4 * (2 * L * D + D)  # bytes of RMSNorm weights: whole on every tp rank
+    one = ranks_of(records, 6)[0]  # step 6's code on one replica: the whole model
+    tp2 = ranks_of(records, 4)[0]
+    assert tp2["parameters"] == (one["parameters"] - norms) // 2 + norms
+    for step in range(3, 10):
+        for f in ranks_of(records, step).values():
+            assert f["optimizer"] == 2 * f["parameters"] == 2 * f["gradients"], step
+    # ZeRO-1 shares the moments: step 10 over dp 2, step 11 over dp x cp (cp 2)
+    for f in ranks_of(records, 10).values():
+        assert f["optimizer"] == pytest.approx(tp2["optimizer"] / 2, abs=16)
+    for f in ranks_of(records, 11).values():
+        assert f["optimizer"] == pytest.approx(one["optimizer"] / 2, abs=16)
+        assert f["parameters"] == one["parameters"]
+        assert f["activations"] == pytest.approx(one["activations"] / 2, rel=1e-3)  # T/cp
+    # The stages hold the model between them, and their activations add up to one device's.
+    for step in [7, 8]:
+        stages = sorted(ranks_of(records, step).values(), key=lambda f: f["coords"]["pp"])
+        assert sum(f["parameters"] for f in stages) == one["parameters"], step
+        assert sum(f["activations"] for f in stages) == one["activations"], step
+    # What the schedules hold: AFAB every micro-batch, 1F1B pp - pp_rank of them.
+    for step, held in [(7, lambda r: 4), (8, lambda r: 4 - r), (9, lambda r: 2 - r)]:
+        for f in ranks_of(records, step).values():
+            assert f["held"] == held(f["coords"]["pp"]), (step, f["coords"])
+            assert f["peak_activations"] == f["held"] * f["activations"], step
+    for step in [3, 4, 5, 6, 10, 11]:
+        for f in ranks_of(records, step).values():
+            assert f["held"] == 1 and f["peak_activations"] == f["activations"], step
+
+
+def test_memory_table_refuses_a_layout_the_model_cannot_take():
+    result = run_memory_table("--steps", "8", "--num_hidden_layers", "2")
+    assert result.returncode == 2
+    assert "pp_size=4 needs at least 4 layers, the model has num_hidden_layers=2" in result.stderr
+
+
+### end Memory table
