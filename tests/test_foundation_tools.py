@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,6 +64,15 @@ def test_collectives_demo(nproc, numel, torchrun):
     assert sent["broadcast"] == [N] * (n - 1) + [0]  # along the chain, the last passes nothing
     assert sent["send/recv"] == [N] * n
     assert sent["reduce-scatter + all-gather"] == sent["all-reduce"]
+
+
+def test_the_collectives_lesson_shows_the_demos_output():
+    """docs/collectives.md pastes the output of its command: the same, to the character."""
+    lesson = (ROOT / "docs" / "collectives.md").read_text()
+    pasted = lesson.split("## The demo's output", 1)[1].split("```\n", 2)[1]
+    result = demo(4, 8, torchrun=True)
+    assert result.returncode == 0, result.stderr
+    assert pasted == result.stdout
 
 
 def test_collectives_demo_refuses_a_tensor_it_cannot_scatter():
@@ -199,6 +209,28 @@ def test_memory_figures_agree_with_each_other(memory):
     for step in [3, 4, 5, 6, 10, 11]:
         for f in ranks_of(records, step).values():
             assert f["held"] == 1 and f["peak_activations"] == f["activations"], step
+
+
+def test_the_memory_lesson_shows_the_formulas_values():
+    """docs/memory.md's table (the tiny model at the command's defaults): every cell's bytes and
+    formula are those the formulas give now, so the lesson cannot go stale."""
+    import memory_table
+
+    config = json.loads((ROOT / "assets" / "configs" / "tiny" / "config.json").read_text())
+    shapes = memory_table.Shapes(SimpleNamespace(**config), memory_table.parse_args([]))
+    lesson = (ROOT / "docs" / "memory.md").read_text()
+    assert "tiny model, one training step on random tokens, 4 x 256 tokens" in lesson
+    rows = [line for line in lesson.splitlines() if re.match(r"\| \d+ \|", line)]
+    steps = [int(row.split("|")[1]) for row in rows]
+    assert sorted(set(steps)) == list(range(3, 12)), steps
+    for row, step in zip(rows, steps, strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        stage = re.search(r"\(pp (\d)\)", cells[2])
+        pp_rank = int(stage[1]) if stage else 0
+        want = memory_table.expected(memory_table.LAYOUTS[step], shapes, pp_rank)
+        for quantity, cell in zip(memory_table.QUANTITIES, cells[3:], strict=True):
+            text, value, _ = want[quantity]
+            assert cell == f"{value:,.0f} = {text}", (step, quantity, cell)
 
 
 def test_memory_table_refuses_a_layout_the_model_cannot_take():
