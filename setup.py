@@ -10,7 +10,7 @@ from setuptools import setup
 setup(
     name="pico3d",
     version="0.1.0",
-    description="Distributed training of Llama models in nine steps, from one device to 3D",
+    description="Distributed training of Llama models in eleven steps, from one device to 4D",
     python_requires=">=3.10",
     packages=[],
     install_requires=[

@@ -2,7 +2,7 @@
 
 A checkpoint folder holds one safetensors file per shard of the model:
 
-    model.safetensors                              one device (steps 1-3)
+    model.safetensors                              one device (step 3; steps 1-2 save none)
     model-tp{t}-of-{T}.safetensors                 tensor-parallel rank t of T (steps 4-6)
     model-pp{p}-of-{P}-tp{t}-of-{T}.safetensors    pipeline stage p of P, tp rank t (steps 7-8)
 
@@ -10,7 +10,7 @@ Every file uses transformers' key names with global layer indices. Pipeline stag
 sets of keys, so merging stages is a union; tensor-parallel ranks hold slices of the same keys, so
 merging ranks is a concatenation along the dimension each weight was split on (SPLIT_DIM).
 
-Step 9's checkpoints (those with an index.json) name the same files, but the index says where
+Steps 9-11's checkpoints (those with an index.json) name the same files, but the index says where
 each slice of each tensor lies (file, split dimension, offset); weights that every tp rank holds
 whole are stored once, and the optimizer's files beside them are not read here.
 
