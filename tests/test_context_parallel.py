@@ -294,6 +294,7 @@ def ring_memory(rank, world):
     limit = 32 * q.nbytes
     C = T // (2 * world)
     block = B * H * C * C * 4  # one (C, C) block of fp32 scores
+    print(f"rank {rank}: {peak:,} bytes at peak, limit {limit:,}, one block of scores {block:,}")
     assert peak < limit < block, f"rank {rank}: {peak:,} bytes at peak, limit {limit:,}"
     # the measure sees a block of scores, were one materialised
     assert peak_bytes(lambda: torch.ones(B, H, C, C)) > limit
