@@ -1,6 +1,8 @@
 """tools/bench.py's agreement checks, run cheaply: our model equals transformers', bucketed and
-naive data parallelism equal DDP, our tensor parallelism's loss equals DTensor's, and our 1F1B and
-AFAB gradients equal torch.distributed.pipelining's Schedule1F1B, so the comparisons cannot rot."""
+naive data parallelism equal DDP, our tensor parallelism's loss equals DTensor's, our 1F1B and
+AFAB gradients equal torch.distributed.pipelining's Schedule1F1B, ZeRO-1's gradients and updated
+weights equal ZeroRedundancyOptimizer's and FSDP2's, and ring attention, the all-gather-KV
+baseline and PyTorch's ring function equal float64 SDPA, so the comparisons cannot rot."""
 
 import sys
 
@@ -21,13 +23,15 @@ TINY_BENCH = [
 @pytest.fixture(scope="module")
 def run():
     """run(part): one run of that comparison (the checked step, then one timed step per side),
-    shared by the tests; its rows by our side's name."""
+    shared by the tests; its rows by our side's name, and by (ours, theirs)."""
     cache = {}
 
     def rows(part):
         if part not in cache:
             args = bench.parse_args([*TINY_BENCH, "--parts", part])
-            cache[part] = {r["ours"]: r for r in bench.measure(args, timeout=300)}
+            found = bench.measure(args, timeout=300)
+            cache[part] = {r["ours"]: r for r in found}
+            cache[part] |= {(r["ours"], r["theirs"]): r for r in found}
         return cache[part]
 
     return rows
@@ -64,8 +68,29 @@ def test_model_and_data_parallel_agree(run):
         assert checks(row)["grad"] <= 1e-6, row
 
 
+def test_zero1_equals_zero_redundancy_optimizer_and_fsdp2(run):
+    """Our shard of each averaged gradient against DDP's whole gradient, and the weights after
+    the update, one step (0 on this machine: with 2 ranks every side rounds alike)."""
+    for theirs in ["ZeroRedundancyOptimizer", "FSDP2"]:
+        row = run("zero")[("ours", theirs)]
+        assert checks(row)["grad"] <= 1e-6 and checks(row)["param"] <= 1e-6, row
+        assert row["ok"]
+    row = run("zero")[("ours", "FSDP2")]
+    assert checks(row)["grad FSDP2"] <= 1e-6 and checks(row)["param FSDP2"] <= 1e-6, row
+
+
+def test_ring_attention_rows_agree_with_float64_sdpa(run):
+    """The output and the q, k, v gradients of ring attention, the all-gather-KV baseline and
+    PyTorch's ring function, against float64 SDPA on the whole sequence."""
+    for theirs in ["_templated_ring_attention", "all-gather KV"]:
+        row = run("cp")[("ours", theirs)]
+        assert checks(row)[" ours"] <= 1e-5 and checks(row)[" theirs"] <= 1e-5, row
+        assert row["ok"]
+
+
 def test_table_shows_every_comparison(run):
-    rows = [row for part in ["model", "dp", "tp", "pp"] for row in run(part).values()]
+    parts = ["model", "dp", "tp", "pp", "zero", "cp"]
+    rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)
     assert text.count("\n") == len(rows) + 1  # a header, a rule, one line per comparison
     for row in rows:
@@ -75,6 +100,10 @@ def test_table_shows_every_comparison(run):
 
 def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as error:
-        bench.parse_args(["--parts", "model,zero"])
+        bench.parse_args(["--parts", "model,sp"])
     assert error.value.code == 2
-    assert "unknown zero" in capsys.readouterr().err
+    assert "unknown sp" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--parts", "cp", "--seq_len", "30"])
+    assert error.value.code == 2
+    assert "--seq_len must be a multiple of 2 * cp = 4 for cp" in capsys.readouterr().err

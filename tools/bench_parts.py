@@ -3,10 +3,12 @@ transformers') from the same initial weights, runs one training step of each and
 agree, then times their steps in turn (fwd + bwd + AdamW over the same global batch).
 
 Our code comes from the step that introduces it: the model from step 1, naive and bucketed data
-parallelism from step 6, tensor parallelism from step 4, both pipeline schedules from step 8.
+parallelism from step 6, tensor parallelism from step 4, both pipeline schedules from step 8,
+ZeRO-1 from step 10, ring attention from step 11 (whose step is one attention's forward and
+backward, no optimizer).
 """
 
-# B micro-batch, T tokens, V vocab
+# B micro-batch, T tokens, V vocab, H query heads, K key/value heads, d head dim
 
 import importlib
 import statistics
@@ -20,8 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_MODULES = ["model", "utils", "process_group_manager", "tensor_parallel", "data_parallel"]
-STEP_MODULES += ["pipeline_parallel", "checkpoint", "dataloader", "train"]
+STEP_MODULES = ["model", "utils", "comm_stats", "flags", "bookkeeping", "hf_import"]
+STEP_MODULES += ["process_group_manager", "tensor_parallel", "data_parallel", "pipeline_parallel"]
+STEP_MODULES += ["zero", "context_parallel", "checkpoint", "dataloader", "train"]
 OVERRIDES = [
     "num_hidden_layers",
     "hidden_size",
@@ -100,10 +103,12 @@ def max_grad_difference(ours, theirs):
 def alternate(sides, args, device):
     """Run the sides' steps in turn, rotating which goes first, `warmup` times untimed then
     `steps` times timed. In a process group each step starts together on every rank and takes as
-    long as its slowest rank. Returns each side's median step time (ms) and its losses."""
+    long as its slowest rank. Returns each side's median step time (ms), wall-clock and this
+    process's CPU time (its slowest rank's; on a machine that other jobs share the CPU time
+    moves less), and its losses."""
     names = list(sides)
     distributed = dist.is_initialized()
-    times = torch.zeros(args.steps, len(names), dtype=torch.float64)
+    times = torch.zeros(args.steps, len(names), 2, dtype=torch.float64)  # wall, CPU
     losses = {name: [] for name in names}
     for step in range(args.warmup + args.steps):
         shift = step % len(names)
@@ -112,16 +117,20 @@ def alternate(sides, args, device):
                 dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = sides[name]()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if step >= args.warmup:
-                times[step - args.warmup, names.index(name)] = time.perf_counter() - start
+                spent = [time.perf_counter() - start, time.process_time() - start_cpu]
+                times[step - args.warmup, names.index(name)] = torch.tensor(spent)
             losses[name].append(float(loss))
     if distributed:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    medians = {n: 1e3 * statistics.median(times[:, i].tolist()) for i, n in enumerate(names)}
+    medians = {
+        n: [1e3 * statistics.median(times[:, i, kind].tolist()) for kind in range(2)]
+        for i, n in enumerate(names)
+    }
     return medians, losses
 
 
@@ -133,8 +142,9 @@ def loss_difference(losses, ours, theirs):
 
 def row(part, ours, theirs, times, checks):
     """One line of the table; `checks` is a list of (what, measured, tolerance)."""
-    return {"part": part, "ours": ours, "theirs": theirs, "ours_ms": times[ours],
-            "theirs_ms": times[theirs], "checks": checks}  # fmt: skip
+    return {"part": part, "ours": ours, "theirs": theirs, "ours_ms": times[ours][0],
+            "theirs_ms": times[theirs][0], "ours_cpu_ms": times[ours][1],
+            "theirs_cpu_ms": times[theirs][1], "checks": checks}  # fmt: skip
 
 
 def compare_model(args, device):
@@ -395,4 +405,255 @@ def compare_pp(args, device):
     ]
 
 
+def compare_zero(args, device):
+    """ZeRO-1 (step 10's DataParallelZero1: buckets reduce-scattered during backward, AdamW on
+    this rank's shard, the parameters all-gathered after the step) against PyTorch's
+    ZeroRedundancyOptimizer over DDP (the optimizer state sharded by whole parameters, each
+    rank's updated ones broadcast) and FSDP2 (`fully_shard` on every layer and the model,
+    parameters kept whole from forward to backward, gradients reduce-scattered once, on the last
+    micro-batch, AdamW on the shards). Each rank takes every dp_size-th micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model_module = import_step("step10_zero1", "model")
+    zero = import_step("step10_zero1", "zero")
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    config = load_config(args)
+    inputs, targets = make_batch(config, args, device)
+    mine = split(inputs, targets, args.micro_batches)[rank::world]
+    new = lambda: replica(model_module, config, args, device)
+    last = len(mine) - 1
+
+    ours = zero.DataParallelZero1(new(), group)
+    ours_optimizer = adamw(ours.shard(list(ours.module.parameters())))
+    ddp = DistributedDataParallel(new())
+    zero_optimizer = ZeroRedundancyOptimizer(
+        ddp.parameters(), torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+        fused=True,
+    )  # fmt: skip
+    fsdp = new()
+    for layer in fsdp.model.layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(fsdp, reshard_after_forward=False)
+    fsdp_optimizer = adamw(fsdp.parameters())
+
+    def ours_backward():
+        ours.zero_grad(set_to_none=True)
+
+        def sync_on_last(i):
+            ours.require_backward_grad_sync = i == last
+            return nullcontext()
+
+        loss = accumulate(ours, mine, before=sync_on_last)
+        ours.finish_gradient_synchronization()
+        return loss
+
+    def ours_step():
+        loss = ours_backward()
+        ours_optimizer.step()
+        ours.all_gather_parameters()
+        return loss
+
+    def zero_step():
+        zero_optimizer.zero_grad(set_to_none=True)
+        loss = accumulate(ddp, mine, before=lambda i: nullcontext() if i == last else ddp.no_sync())
+        zero_optimizer.step()
+        return loss
+
+    def fsdp_step():
+        fsdp_optimizer.zero_grad(set_to_none=True)
+
+        def sync_on_last(i):
+            fsdp.set_requires_gradient_sync(i == last)
+            return nullcontext()
+
+        loss = accumulate(fsdp, mine, before=sync_on_last)
+        fsdp_optimizer.step()
+        return loss
+
+    # The first step, checked: our shard of each averaged gradient against DDP's whole one (the
+    # all-gather after the update overwrites the buffers, so ours is read before it), FSDP2's
+    # gathered gradients against DDP's too; then the parameters after the update.
+    ours_backward()
+    zero_step()
+    fsdp_step()
+    reference = dict(ddp.module.named_parameters())
+    names = {param: name for name, param in ours.module.named_parameters()}
+    scale = max(p.grad.abs().max().item() for p in reference.values())
+    ours_grad = 0.0
+    for bucket in ours.bucket_manager.buckets:
+        for param, first, lo, hi in bucket.in_shard():
+            want = reference[names[param]].grad.view(-1)[first : first + hi - lo]
+            ours_grad = max(ours_grad, (bucket.grad_data[lo:hi] - want).abs().max().item())
+    fsdp_grads = gathered_grads(fsdp)
+    fsdp_grad = max((fsdp_grads[n] - p.grad).abs().max().item() for n, p in reference.items())
+    ours_optimizer.step()
+    ours.all_gather_parameters()
+
+    def param_difference(model):
+        diff, size = 0.0, 0.0
+        for name, param in model.named_parameters():
+            param = param.full_tensor() if hasattr(param, "full_tensor") else param
+            diff = max(diff, (param - reference[name]).abs().max().item())
+            size = max(size, reference[name].abs().max().item())
+        return diff / size
+
+    ours_param = all_ranks_max(param_difference(ours.module))
+    fsdp_param = all_ranks_max(param_difference(fsdp))
+    ours_grad, fsdp_grad = all_ranks_max(ours_grad / scale), all_ranks_max(fsdp_grad / scale)
+    sides = {"ours": ours_step, "ZeroRedundancyOptimizer": zero_step, "FSDP2": fsdp_step}
+    times, _ = alternate(sides, args, device)
+    part = f"ZeRO-1, dp {world}, m {args.micro_batches}"
+    ours_checks = [("grad", ours_grad, 1e-6), ("param", ours_param, 1e-6)]
+    return [
+        row(part, "ours", "ZeroRedundancyOptimizer", times, ours_checks),
+        row(part, "ours", "FSDP2", times, [*ours_checks, ("grad FSDP2", fsdp_grad, 1e-6),
+                                           ("param FSDP2", fsdp_param, 1e-6)]),
+    ]  # fmt: skip
+
+
+### begin Ring attention
+class GatherKV(torch.autograd.Function):
+    """Every rank's keys and values, (B, K, T, d) each, side by side along the tokens, rank by
+    rank: one all-gather forward, one reduce-scatter of their gradients backward."""
+
+    @staticmethod
+    def forward(ctx, k, v, group):
+        world = dist.get_world_size(group)
+        mine = torch.stack([k, v])  # (2, B, K, T, d)
+        gathered = mine.new_empty(world * 2, *mine.shape[1:])  # rank by rank, k and v
+        dist.all_gather_single(gathered, mine, group)
+        ctx.group = group
+        both = gathered.unflatten(0, (world, 2)).movedim(0, -3).flatten(-3, -2)
+        # (2, B, K, world * T, d)
+        return both[0], both[1]
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        world = dist.get_world_size(ctx.group)
+        grads = torch.stack([grad_k, grad_v]).unflatten(-2, (world, -1)).movedim(-3, 0)
+        mine = grads.new_empty(grads.shape[1:])  # (2, B, K, T, d)
+        dist.reduce_scatter_single(mine, grads.flatten(0, 1).contiguous(), group=ctx.group)
+        return mine[0], mine[1], None
+
+
+class TorchRing(torch.autograd.Function):
+    """PyTorch's own ring attention, `_templated_ring_attention` and its backward (what its
+    `context_parallel` dispatches SDPA to), on the CPU flash kernel or CUDA's efficient one,
+    with its load balancing: each rank holds chunks r and 2 cp - 1 - r, as ours."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+
+        aten = torch.ops.aten
+        kwargs = {"is_causal": True}
+        if q.device.type == "cuda":
+            op = aten._scaled_dot_product_efficient_attention
+            kwargs |= {"attn_bias": None, "compute_log_sumexp": True}
+        else:
+            op = aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse, *rest = _attention._templated_ring_attention(group, 2, op, q, k, v, **kwargs)
+        ctx.save_for_backward(q, k, v, out, lse, *rest)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+
+        aten = torch.ops.aten
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        kwargs = {"is_causal": True, "dropout_p": 0.0}
+        if q.device.type == "cuda":
+            op, name = aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_"
+            seed, offset = rest
+            kwargs |= {"attn_bias": None, "philox_seed": seed, "philox_offset": offset}
+            kwargs |= {"grad_input_mask": (True, True, True, False)}
+        else:
+            op, name = aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out"
+        grads = _attention._templated_ring_attention_backward(
+            ctx.group, 2, op, grad_out, name, q, k, v, out, lse, **kwargs
+        )
+        return *grads[:3], None
+
+
+def compare_cp(args, device):
+    """Ring attention (step 11) against two others, the same causal attention of a whole
+    sequence split over cp ranks (2 chunks each, balanced): an all-gather of the keys and values
+    and one fused SDPA call (what a rank does without a ring: it holds every key and value, and
+    its mask makes the kernel compute the blocks that the causal mask hides), and PyTorch's
+    private `_templated_ring_attention`. A step is the attention's forward and backward."""
+    context_parallel = import_step("step11_context_parallel", "context_parallel")
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    config = load_config(args)
+    B, T, d = args.micro_batch_size, args.seq_len, config.head_dim
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    assert T % (2 * world) == 0, "bench.parse_args checks --seq_len"
+    generator = torch.Generator().manual_seed(args.seed)
+    whole = [torch.randn(B, n, T, d, generator=generator) for n in (H, K, K, H)]  # q, k, v, dO
+    mine = lambda x: context_parallel.split_sequence(x, rank, world, dim=2)
+    q, k, v, grad_out = (mine(x).to(device) for x in whole)
+
+    # The reference: float64 SDPA over the whole sequence, this rank's part of its results.
+    exact = [x.double().requires_grad_() for x in whole[:3]]
+    want = F.scaled_dot_product_attention(*exact, is_causal=True, enable_gqa=True)
+    want.backward(whole[3].double())
+    want = [mine(x).to(device) for x in (want, *(x.grad for x in exact))]
+
+    positions = torch.arange(T, device=device)
+    query_positions = context_parallel.split_sequence(positions, rank, world, dim=0)
+    key_positions = torch.cat(
+        [context_parallel.split_sequence(positions, r, world, dim=0) for r in range(world)]
+    )  # the gathered keys' positions, rank by rank
+    visible = key_positions <= query_positions.unsqueeze(1)  # (T/cp, T)
+
+    def all_gather_kv(q, k, v):
+        keys, values = GatherKV.apply(k, v, group)  # (B, K, T, d)
+        return F.scaled_dot_product_attention(q, keys, values, visible, enable_gqa=True)
+
+    def ring(q, k, v):
+        return context_parallel.RingAttention.apply(q, k, v, group)
+
+    def torch_ring(q, k, v):
+        return TorchRing.apply(q, k, v, group)
+
+    functions = {"ours": ring, "all-gather KV": all_gather_kv}
+    functions["_templated_ring_attention"] = torch_ring
+    leaves = {name: [x.clone().requires_grad_() for x in (q, k, v)] for name in functions}
+
+    def attention_step(name):
+        def step():
+            for x in leaves[name]:
+                x.grad = None
+            out = functions[name](*leaves[name])
+            out.backward(grad_out)
+            return out.detach()[(0,) * out.dim()]  # a number: no pass over the output
+
+        return step
+
+    def difference(name, label):
+        """The largest |Δ| of the output and of the q, k and v gradients, each relative to the
+        reference's largest entry, over the ranks."""
+        with torch.no_grad():
+            got = [functions[name](*leaves[name]), *(x.grad for x in leaves[name])]
+        pairs = zip(got, want, strict=True)
+        diffs = [(a.double() - b).abs().max() / b.abs().max() for a, b in pairs]
+        return (label, all_ranks_max(max(diffs)), 1e-5)
+
+    sides = {name: attention_step(name) for name in functions}
+    for step in sides.values():  # one step each; the gradients stay until the next step
+        step()
+    ours = difference("ours", " ours")  # out, dq, dk, dv against float64
+    times, _ = alternate(sides, args, device)
+    part = f"ring attention, cp {world}, {T:,} tokens, {H}/{K} heads x {d}"
+    return [
+        row(part, "ours", theirs, times, [ours, difference(theirs, " theirs")])
+        for theirs in ["_templated_ring_attention", "all-gather KV"]
+    ]
+
+
+### end Ring attention
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
+PARTS |= {"zero": compare_zero, "cp": compare_cp}
