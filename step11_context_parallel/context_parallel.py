@@ -198,13 +198,13 @@ class RingAttention(torch.autograd.Function):
         # (B, H, T, d), laid out as (B, T, H, d): o_proj's input is then a view, not a copy.
         out = q.new_zeros(B, T, H, d, dtype=exact).transpose(1, 2)
         lse = q.new_full((B, H, T), -torch.inf, dtype=exact)
-        kv = torch.stack([k, v])  # (2, B, K, T, d): the block held, from `source`, one message
+        kv = [k.contiguous(), v.contiguous()]  # the block held, from `source`
         for step in range(cp_size):
             source = (cp_rank - step) % cp_size
             if step < cp_size - 1:  # the next block travels while this one is computed
-                (received,), requests = ring_send_recv([kv], group)
+                received, requests = ring_send_recv(kv, group)
             for mine, theirs, causal in spans(cp_rank, source, cp_size, C):
-                keys, values = kv[:, :, :, theirs]  # (B, K, *, d) each
+                keys, values = (x[:, :, theirs] for x in kv)
                 block_out, block_lse = attend(q[:, :, mine], keys, values, causal)
                 block = block_out.to(exact), block_lse.to(exact)
                 if step > 0:
@@ -229,18 +229,18 @@ class RingAttention(torch.autograd.Function):
         exact, C = lse.dtype, q.shape[2] // 2  # the blocks' shares add up in fp32 (fp64)
         grad_out = grad_out.to(q.dtype)
         grad_q = torch.zeros_like(q, dtype=exact)
-        kv = torch.stack([k, v])  # (2, B, K, T, d)
+        kv = [k.contiguous(), v.contiguous()]
         # The gradient of the block held travels with it, summed over the ranks it has visited:
         # the previous rank's sum arrives while this rank computes its own share.
         grad_kv, grad_requests = None, []
         for step in range(cp_size):
             source = (cp_rank - step) % cp_size
             if step < cp_size - 1:
-                (received,), requests = ring_send_recv([kv], group)
-            share = torch.zeros_like(kv, dtype=exact)  # this rank's, (2, B, K, T, d)
+                received, requests = ring_send_recv(kv, group)
+            share = [torch.zeros_like(x, dtype=exact) for x in kv]  # this rank's, (B, K, T, d)
             for mine, theirs, causal in spans(cp_rank, source, cp_size, C):
                 dq, dk, dv = attend_backward(
-                    grad_out[:, :, mine], q[:, :, mine], *kv[:, :, :, theirs],
+                    grad_out[:, :, mine], q[:, :, mine], *(x[:, :, theirs] for x in kv),
                     out[:, :, mine], lse[:, :, mine], causal,
                 )  # fmt: skip
                 grad_q[:, :, mine].add_(dq)  # in place (`+=` on a slice would copy it back too)
@@ -249,10 +249,11 @@ class RingAttention(torch.autograd.Function):
             for request in grad_requests:
                 request.wait()
             if grad_kv is not None:  # the sum of the ranks before: none for this rank's own
-                share.add_(grad_kv)
+                for x, y in zip(share, grad_kv, strict=True):
+                    x.add_(y)
             grad_kv = share
             if cp_size > 1:  # to the rank that holds the block next; after the last step, home
-                (grad_kv,), grad_requests = ring_send_recv([grad_kv], group)
+                grad_kv, grad_requests = ring_send_recv(grad_kv, group)
             if step < cp_size - 1:
                 for request in requests:
                     request.wait()
