@@ -11,8 +11,10 @@ keys, values or scores.
 The blocks arrive one by one, so the softmax over all keys is built up online: each block gives
 its output (softmax within the block) and the log-sum-exp of its scores, and two partial results
 merge exactly by weighting each with exp(its lse - the merged lse), lse = log(e^lse1 + e^lse2).
-Backward passes the blocks around the ring again; each block's key/value gradients travel with it
-and arrive home after the last step.
+A fused attention kernel computes each block (`attend`) without ever storing its scores.
+Backward passes the blocks around the ring again, each block's gradient from the kernel's
+backward given the final output and lse (`attend_backward`); each block's key/value gradients
+travel with it and arrive home after the last step.
 
 The causal split: the sequence is cut into 2 * cp_size equal chunks and rank r holds chunks r and
 2 * cp_size - 1 - r, one early and one late. With one contiguous piece per rank, rank 0's queries
