@@ -125,6 +125,21 @@ def test_fused_block_equals_math_on_cuda(dtype):
     check_blocks(torch.device("cuda"), dtype)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_cuda_kernel_calls_match_their_schemas(kernel):
+    """Without a GPU: the CUDA kernels' calls, on meta tensors (shapes only), take their
+    arguments and give the block's shapes: its output, its lse unpadded, dk and dv with K heads."""
+    context_parallel = import_step(STEP, "context_parallel")
+    for dtype in [torch.bfloat16, torch.float32]:
+        q = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype)  # (B, H, C, d), C = 40
+        k = torch.empty(2, 2, 40, 16, device="meta", dtype=dtype)
+        out, lse = context_parallel.attend_cuda(q, k, k, True, kernel)
+        assert (out.shape, out.dtype) == (q.shape, dtype)
+        assert (lse.shape, lse.dtype) == ((2, 4, 40), torch.float32)
+        grads = context_parallel.attend_backward_cuda(out, q, k, k, out, lse, True, kernel)
+        assert [x.shape for x in grads] == [q.shape, k.shape, k.shape]
+
+
 # ---- ring attention against F.scaled_dot_product_attention on one process ----------------------
 
 
