@@ -53,8 +53,25 @@ def test_pipeline_gradients_equal_schedule_1f1b(run):
 
 def test_tensor_parallel_loss_equals_dtensor(run):
     """The losses of two steps (the checked one and the timed one), each side training."""
-    row = run("tp")["ours"]
-    assert row["theirs"] == "DTensor"
+    row = run("tp")[("ours", "DTensor")]
+    assert checks(row)["loss"] <= 1e-5, row
+
+
+def test_tensor_parallel_sends_three_all_reduces_fewer_per_block(run):
+    """Against the layers each with its own f (q, k, v, gate, up): one f per sublayer saves 2
+    all-reduces of (B, T, D) at attention's input and 1 at the MLP's, per block and micro-batch,
+    in backward, and computes the same losses."""
+    row = run("tp")[("ours", "f per layer")]
+    (calls, size), (calls_before, size_before) = (
+        row["traffic"]["ours"],
+        row["traffic"]["f per layer"],
+    )
+    args = bench.parse_args([*TINY_BENCH, "--parts", "tp"])
+    config = bench.bench_parts.load_config(args)
+    per_micro_batch = 3 * config.num_hidden_layers
+    activation = args.micro_batch_size * args.seq_len * config.hidden_size * 4  # fp32 bytes
+    assert calls_before - calls == per_micro_batch * args.micro_batches, row["traffic"]
+    assert size_before - size == per_micro_batch * args.micro_batches * activation
     assert checks(row)["loss"] <= 1e-5, row
 
 

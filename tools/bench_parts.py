@@ -283,15 +283,28 @@ def compare_tp(args, device):
 
     model_module = import_step("step4_tensor_parallel", "model")
     tensor_parallel = import_step("step4_tensor_parallel", "tensor_parallel")
+    comm_stats = import_step("step4_tensor_parallel", "comm_stats")
     world, group = dist.get_world_size(), dist.group.WORLD
     config = load_config(args)
     inputs, targets = make_batch(config, args, device)
     pairs = split(inputs, targets, args.micro_batches)
 
-    with torch.device("meta"):
-        ours = tensor_parallel.apply_tensor_parallel(model_module.LlamaForCausalLM(config), group)
-    ours.to_empty(device=device)
-    ours.init_weights(args.seed)
+    def build():
+        with torch.device("meta"):
+            model = model_module.LlamaForCausalLM(config)
+            tensor_parallel.apply_tensor_parallel(model, group)
+        model.to_empty(device=device)
+        model.init_weights(args.seed)
+        return model
+
+    ours, before = build(), build()
+    # How the column-parallel layers communicated before: each its own f on its input (q, k, v,
+    # gate, up and lm_head), instead of one f per sublayer on the norm's output.
+    f = tensor_parallel.Copy.apply
+    for module in before.modules():
+        module._forward_hooks.clear()
+        if isinstance(module, tensor_parallel.ColumnParallelLinear):
+            module.forward = lambda x, m=module: F.linear(f(x, m.group), m.weight)
 
     theirs = replica(model_module, config, args, device)
     plan = {
@@ -327,12 +340,28 @@ def compare_tp(args, device):
     sides = {
         "ours": training_step(ours, ours_loss, nullcontext),
         "DTensor": training_step(theirs, cross_entropy, loss_parallel),
+        "f per layer": training_step(before, ours_loss, nullcontext),
     }
-    for step in sides.values():
-        step()
+    traffic = {}
+    for name, step in sides.items():
+        with comm_stats.CommStats() as stats:
+            step()
+        kinds = [kind for group_kinds in stats.as_dict().values() for kind in group_kinds.values()]
+        traffic[name] = sum(k["calls"] for k in kinds), sum(k["bytes"] for k in kinds)
     times, losses = alternate(sides, args, device)
     diff = all_ranks_max(loss_difference(losses, "ours", "DTensor"))
-    return [row(f"tensor parallel, tp {world}", "ours", "DTensor", times, [("loss", diff, 1e-5)])]
+    before_diff = all_ranks_max(loss_difference(losses, "ours", "f per layer"))
+    (calls, size), (calls_before, size_before) = traffic["ours"], traffic["f per layer"]
+    label = (
+        f"tensor parallel traffic, tp {world}: {calls} calls, {size:,} bytes a step against "
+        f"{calls_before}, {size_before:,}"
+    )
+    traffic_row = row(label, "ours", "f per layer", times, [("loss", before_diff, 1e-5)])
+    traffic_row["traffic"] = traffic
+    return [
+        row(f"tensor parallel, tp {world}", "ours", "DTensor", times, [("loss", diff, 1e-5)]),
+        traffic_row,
+    ]
 
 
 def compare_pp(args, device):
