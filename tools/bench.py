@@ -1,6 +1,8 @@
-"""Side by side with PyTorch's own: our model, data, tensor and pipeline parallelism, ZeRO-1 and
-ring attention against transformers' Llama, DistributedDataParallel, DTensor,
-torch.distributed.pipelining, ZeroRedundancyOptimizer and FSDP2, and PyTorch's ring function.
+"""Our implementations side by side with PyTorch's own, checked to agree, timed in turn.
+
+Our model, data, tensor and pipeline parallelism, ZeRO-1 and ring attention against
+transformers' Llama, DistributedDataParallel, DTensor, torch.distributed.pipelining,
+ZeroRedundancyOptimizer and FSDP2, and PyTorch's ring function.
 
     python tools/bench.py                       # all but cp, the tiny model, 5 minutes on 2 cores
     python tools/bench.py --parts pp --steps 30 --micro_batches 8
@@ -170,10 +172,12 @@ def main(argv=None):
     args = parse_args(argv)
     rows = measure(args)
     config = bench_parts.load_config(args)
+    batch = f"{args.micro_batch_size} x {args.seq_len} tokens"
+    if args.parts != ["cp"]:  # the cp part times one attention of --micro_batch_size sequences
+        batch = f"{args.micro_batches} micro-batches x {batch}"
     print(
         f"{args.model_name} model: {config.num_hidden_layers} layers, hidden "
-        f"{config.hidden_size}, vocab {config.vocab_size}, fp32; batch {args.micro_batches} "
-        f"micro-batches x {args.micro_batch_size} x {args.seq_len} tokens; median of "
+        f"{config.hidden_size}, vocab {config.vocab_size}, fp32; batch {batch}; median of "
         f"{args.steps} steps after {args.warmup} warm-up, sides alternating\n"
         f"on {machine()}, {args.threads} thread(s) per process\n"
     )
