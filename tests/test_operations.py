@@ -128,8 +128,8 @@ def test_sigterm_stops_every_rank_after_one_step_and_resumes(tmp_path, data, ref
 
 def test_torchrun_restarts_after_a_killed_worker(tmp_path, data, reference):
     """kill -9 of rank 1 mid-run: torchrun stops rank 0, starts both again, and --resume continues
-    from the latest checkpoint (every 3 steps); the steps after it are trained (and logged) twice,
-    the second time with the same numbers."""
+    from the latest checkpoint (every 3 steps); the steps the first try logged after that checkpoint
+    (none if the kill came right after a save) are trained and logged again, with the same numbers."""
     save, log_file = tmp_path / "ckpt", tmp_path / "log.jsonl"
     extra = ["--dp_size", "2", "--save_dir", str(save), "--save_every", "3", "--resume"]
     process = launch(train_args(data, log_file, *extra), launcher_flags=["--max_restarts", "1"])
@@ -139,7 +139,11 @@ def test_torchrun_restarts_after_a_killed_worker(tmp_path, data, reference):
     resumed = re.findall(r"resumed from \S+ at step (\d+)", output)
     assert len(resumed) == 1 and int(resumed[0]) % 3 == 0, output
     records = read_log(log_file)
-    assert len(records) > STEPS  # some steps ran twice
+    resumed_at = int(resumed[0])
+    first_try, second_try = records[: resumed_at - STEPS], records[resumed_at - STEPS :]
+    assert [r["step"] for r in second_try] == list(range(resumed_at + 1, STEPS + 1))
+    assert [r["step"] for r in first_try] == list(range(1, len(first_try) + 1))
+    assert len(first_try) >= resumed_at  # the checkpoint it resumed was the first try's
     last_of_each = {r["step"]: r for r in records}
     assert_same_training(list(last_of_each.values()), reference)
     for record in records:  # the first try of a step logged what the second logged
