@@ -128,8 +128,9 @@ def test_sigterm_stops_every_rank_after_one_step_and_resumes(tmp_path, data, ref
 
 def test_torchrun_restarts_after_a_killed_worker(tmp_path, data, reference):
     """kill -9 of rank 1 mid-run: torchrun stops rank 0, starts both again, and --resume continues
-    from the latest checkpoint (every 3 steps); the steps the first try logged after that checkpoint
-    (none if the kill came right after a save) are trained and logged again, with the same numbers."""
+    from the latest checkpoint (every 3 steps); the steps the first try logged after that
+    checkpoint (none if the kill came right after a save) are trained and logged again, with the
+    same numbers."""
     save, log_file = tmp_path / "ckpt", tmp_path / "log.jsonl"
     extra = ["--dp_size", "2", "--save_dir", str(save), "--save_every", "3", "--resume"]
     process = launch(train_args(data, log_file, *extra), launcher_flags=["--max_restarts", "1"])
