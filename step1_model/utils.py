@@ -59,7 +59,7 @@ def run_main(main):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
         if int(os.environ.get("RANK", 0)) != 0:
             time.sleep(REPORT_DELAY)
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print_line(f"error: {error}", sys.stderr)
         sys.stdout.flush()
         # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
         # busy machine, and torchrun stops the other ranks only when this one has exited.
@@ -74,7 +74,14 @@ def log(*args, all_ranks=False):
             return
         if dist.get_world_size() > 1:
             args = (f"[rank {rank}]", *args)
-    print(" ".join(str(a) for a in args), flush=True)  # one write, so ranks' lines do not mix
+    print_line(" ".join(str(a) for a in args), sys.stdout)
+
+
+def print_line(text, file):
+    """`text` and its newline in one write, so that ranks' lines do not mix: print() writes them
+    apart, and under PYTHONUNBUFFERED each write reaches the shared pipe on its own."""
+    file.write(text + "\n")
+    file.flush()
 
 
 def resolve_device(name, local_rank=0):

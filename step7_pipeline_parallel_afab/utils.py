@@ -70,7 +70,7 @@ def report_and_exit(message, status):
     rank = int(os.environ.get("RANK", 0))
     if rank != 0:
         time.sleep(REPORT_DELAY + rank)
-    print(message, file=sys.stderr, flush=True)
+    print_line(message, sys.stderr)
     sys.stdout.flush()
     # At once, without the interpreter's teardown: with torch loaded it takes seconds on a
     # busy machine, and torchrun stops the other ranks only when this one has exited.
@@ -137,7 +137,14 @@ def log(*args, all_ranks=False):
             return
         if dist.get_world_size() > 1:
             args = (f"[rank {rank}]", *args)
-    print(" ".join(str(a) for a in args), flush=True)  # one write, so ranks' lines do not mix
+    print_line(" ".join(str(a) for a in args), sys.stdout)
+
+
+def print_line(text, file):
+    """`text` and its newline in one write, so that ranks' lines do not mix: print() writes them
+    apart, and under PYTHONUNBUFFERED each write reaches the shared pipe on its own."""
+    file.write(text + "\n")
+    file.flush()
 
 
 def resolve_device(name, local_rank=0):

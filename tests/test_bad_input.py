@@ -254,6 +254,37 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         utils.run_main(lambda: 1 / 0)
 
 
+class Writes:
+    """A stream that records each write."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("step", ["step1_model", "step3_dataloader"])
+def test_every_line_is_one_write(step, monkeypatch):
+    """A logged line and an error report reach the stream in one write with their newline:
+    under PYTHONUNBUFFERED (how torchrun's workers often run) print() writes the two apart, and
+    another rank's line lands in between on the shared pipe."""
+    utils = import_step(step, "utils")
+    out, err = Writes(), Writes()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(utils.os, "_exit", exit_here)
+    utils.log("step 1/4 |", "loss", 7.5)
+
+    with pytest.raises(SystemExit):
+        utils.run_main(lambda: utils.resolve_device("tpu"))
+    assert out.writes == ["step 1/4 | loss 7.5\n"]
+    assert err.writes == ["error: --device must be auto, cpu, cuda or cuda:N; got 'tpu'\n"]
+
+
 def launcher_output(result):
     """Our ranks' output, and torchrun's own report: its traceback (of ChildFailedError) and
     the banner naming the failed ranks, which it prints last."""
