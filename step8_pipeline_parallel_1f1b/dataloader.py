@@ -41,6 +41,9 @@ def offline_hint(what, name, default, error):
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holds one or both
+
+
 def load_tokenizer(name):
     path = resolve(name, "tokenizers")
     try:
@@ -56,7 +59,10 @@ def load_tokenizer(name):
 
 
 def broken_file(folder, error):
-    """Which of a tokenizer folder's JSON files cannot be parsed, and the parser's words."""
+    """What is wrong in a tokenizer folder: no tokenizer files, or which of its JSON files cannot
+    be parsed, and the parser's words."""
+    if not any((Path(folder) / file).exists() for file in TOKENIZER_FILES):
+        return f"{folder} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)}"
     for file in sorted(Path(folder).glob("*.json")):
         try:
             json.loads(file.read_text())
@@ -67,9 +73,15 @@ def broken_file(folder, error):
 
 def load_splits(name, seed, text_column="text"):
     """The train and validation splits; 1 % of train is held out when there is no validation."""
+    path = resolve(name, "datasets")
     try:
-        splits = load_dataset(resolve(name, "datasets"))
+        splits = load_dataset(path)
     except Exception as error:  # datasets raises many kinds of error for an unreachable hub
+        if Path(path).exists():  # the path is there: what it holds is what is wrong
+            cause = error.__cause__  # datasets' own words are often vague; the cause's are not
+            why = f"{type(error).__name__}: {error}"
+            why += f"; {type(cause).__name__}: {cause}" if cause else ""
+            raise ValueError(f"could not load the dataset {name!r} from {path} ({why})") from error
         raise offline_hint("dataset", name, "tinytales", error) from error
     if "validation" not in splits:
         held_out = splits["train"].train_test_split(test_size=0.01, seed=seed)

@@ -144,7 +144,13 @@ CASES = [
     (S3, "--dist_timeout_s 0", "--dist_timeout_s must be above 0, got 0.0"),
     (S3, "--max_nonfinite_skips 0", "--max_nonfinite_skips must be at least 1, got 0"),
     (S3, "--on_nonfinite ignore", "argument --on_nonfinite: invalid choice: 'ignore'"),
-    (S3, "--dataset_name {tmp}/nothing", "could not load the dataset '{tmp}/nothing'"),
+    (S3, "--dataset_name {tmp}/nothing", "could not load the dataset '{tmp}/nothing': it is not"),
+    (
+        S3,
+        "--dataset_name {tmp}/a_folder",
+        "from {tmp}/a_folder (EmptyDatasetError: The directory at {tmp}/a_folder doesn't contain",
+    ),
+    (S3, "--tokenizer_name {tmp}/a_folder", "{tmp}/a_folder holds no tokenizer: none of"),
     (S3, "--save_dir {tmp}/a_file", "--save_dir {tmp}/a_file is an existing file; give a folder"),
     (S3, "--save_dir {tmp}/a_file/run", "{tmp}/a_file is a file, so it cannot hold a folder"),
     (

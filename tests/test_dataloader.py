@@ -34,6 +34,17 @@ def test_unreachable_hub_names_the_local_default():
         data_lib.load_splits("no-such-user/no-such-dataset", seed=0)
 
 
+def test_a_local_dataset_that_does_not_load_names_its_cause(tmp_path):
+    """A folder that exists is not blamed on the hub: the message gives datasets' error and the
+    one that caused it, here the JSON parser's."""
+    (tmp_path / "train.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError) as refusal:
+        data_lib.load_splits(str(tmp_path), seed=0)
+    assert "not a local path" not in str(refusal.value)
+    assert f"from {tmp_path} (DatasetGenerationError: " in str(refusal.value)
+    assert "; ArrowInvalid: JSON parse error: Invalid value. in row 0)" in str(refusal.value)
+
+
 def test_rows_are_documents_joined_by_eos(tokenizer):
     docs = Dataset.from_dict({"text": ["The cat sat.", "A dog ran far away.", "Sun."] * 20})
     rows = data_lib.tokenize(docs, tokenizer, seq_len=7, num_proc=1)
