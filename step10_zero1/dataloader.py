@@ -95,7 +95,7 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
     """Rows of T + 1 token ids: documents joined by end-of-text, cut into equal lengths."""
     eos, row = tokenizer.eos_token_id, seq_len + 1
 
-    def to_rows(batch):
+    def to_rows(batch, num_proc):  # num_proc: only for the cache key, below
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         stream = [token for doc in ids for token in [*doc, eos]]
         # The last partial row of every batch of documents is dropped: under one row per batch.
@@ -106,6 +106,10 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
         batched=True,
         batch_size=1000,
         num_proc=num_proc if num_proc > 1 else None,
+        # Each process cuts its own share of the documents into batches, so where rows are
+        # dropped depends on num_proc; datasets leaves num_proc out of the key of its cache, and
+        # would serve one num_proc's rows to another. As an argument of to_rows it is in the key.
+        fn_kwargs={"num_proc": num_proc},
         remove_columns=dataset.column_names,
         desc=f"tokenising into rows of {row}",
     )
@@ -165,7 +169,17 @@ class MicroBatchDataLoader:
         return tokens[:, :-1], tokens[:, 1:]  # inputs (B, T), targets (B, T)
 
     def state_dict(self):
-        return {"position": self.position}
+        return {"position": self.position, "rows": len(self.rows)}
 
     def load_state_dict(self, state):
+        """Go on from `position`. From data cut into another number of rows (another
+        --dataset_name or --seq_len) that is another place in another order: said once."""
+        rows = state.get("rows", len(self.rows))  # a rewind to position 0 gives none
+        if rows != len(self.rows):
+            log(
+                f"warning: the checkpoint's data had {rows:,} rows and this run's has "
+                f"{len(self.rows):,} (another --dataset_name or --seq_len): training goes on "
+                f"from row {state['position']:,} of this run's order, not where the checkpoint's "
+                f"data stopped"
+            )
         self.position = state["position"]

@@ -1,5 +1,6 @@
 """Step 3's data pipeline: rows, the shift by one, determinism, wrap-around, offline defaults."""
 
+import datasets
 import pytest
 import torch
 from conftest import ROOT, import_step
@@ -43,6 +44,23 @@ def test_a_local_dataset_that_does_not_load_names_its_cause(tmp_path):
     assert "not a local path" not in str(refusal.value)
     assert f"from {tmp_path} (DatasetGenerationError: " in str(refusal.value)
     assert "; ArrowInvalid: JSON parse error: Invalid value. in row 0)" in str(refusal.value)
+
+
+def test_rows_of_one_num_proc_are_not_served_to_another(tmp_path, tokenizer):
+    """Each tokenising process drops its own partial rows, so --num_proc 2 cuts other rows than
+    --num_proc 1; datasets' cache must not hand one's rows to the other."""
+    lines = (ROOT / "assets/datasets/tinytales/train.jsonl").read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(lines[:1500]) + "\n")
+    train, _ = data_lib.load_splits(str(tmp_path), seed=0)
+    one = data_lib.tokenize(train, tokenizer, 64, num_proc=1)[:]["tokens"]
+    two = data_lib.tokenize(train, tokenizer, 64, num_proc=2)[:]["tokens"]  # after one: cached?
+    datasets.disable_caching()
+    try:
+        fresh = data_lib.tokenize(train, tokenizer, 64, num_proc=2)[:]["tokens"]
+    finally:
+        datasets.enable_caching()
+    assert not torch.equal(fresh, one)  # the processes' shares are cut elsewhere
+    assert torch.equal(two, fresh)
 
 
 def test_rows_are_documents_joined_by_eos(tokenizer):
@@ -96,6 +114,23 @@ def test_resumes_from_its_position():
     again = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=5, device="cpu")
     again.load_state_dict(state)
     assert all(torch.equal(x, y) for x, y in zip(expected, batches(again, 6), strict=True))
+
+
+def test_resuming_other_rows_says_so(capsys):
+    """A checkpoint of data cut into 10 rows, resumed on 12 (another --seq_len, say): the
+    position is kept and the run says that the data does not go on where it stopped."""
+    loader = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=5, device="cpu")
+    batches(loader, 2)
+    same = data_lib.MicroBatchDataLoader(small_rows(), 3, seed=5, device="cpu")
+    same.load_state_dict(loader.state_dict())
+    assert capsys.readouterr().out == ""
+    other = data_lib.MicroBatchDataLoader(small_rows(12), 3, seed=5, device="cpu")
+    other.load_state_dict(loader.state_dict())
+    assert other.position == 6
+    assert (
+        "warning: the checkpoint's data had 10 rows and this run's has 12"
+        in capsys.readouterr().out
+    )
 
 
 def test_too_small_dataset_is_refused(tokenizer):
