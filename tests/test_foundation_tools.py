@@ -16,6 +16,7 @@ from conftest import LAUNCH, ROOT, TINY, import_step
 sys.path.insert(0, str(ROOT / "tools"))
 import collectives  # noqa: E402
 import grid as grid_tool  # noqa: E402
+import step_times  # noqa: E402
 
 
 ### begin Collectives
@@ -240,3 +241,25 @@ def test_memory_table_refuses_a_layout_the_model_cannot_take():
 
 
 ### end Memory table
+
+
+def test_step_times_pools_the_logs_of_a_side(tmp_path):
+    """Steps after each log's first, and after a resume's first, timed as tokens over tokens/s;
+    the medians side by side, each over the first side's."""
+
+    def log(name, steps):  # (step, tokens so far, tokens per second)
+        lines = [json.dumps({"step": s, "tokens": t, "tokens_per_second": r, "loss": 1.0})
+                 for s, t, r in steps]  # fmt: skip
+        (tmp_path / name).write_text("\n".join([*lines, json.dumps({"val_loss": 1.0})]) + "\n")
+
+    log("a_1.jsonl", [(1, 100, 1.0), (2, 200, 100.0), (3, 300, 50.0)])  # 1 s, 2 s
+    log("a_2.jsonl", [(1, 100, 1.0), (2, 200, 25.0), (2, 200, 1.0), (3, 300, 100.0)])  # 4 s, 1 s
+    log("b_1.jsonl", [(1, 100, 1.0), (2, 200, 50.0)])  # 2 s
+    sides = [step_times.side(f"{x}={tmp_path}/{x}_*.jsonl") for x in "ab"]
+    assert sides == [("a", 2, [1.0, 2.0, 4.0, 1.0]), ("b", 1, [2.0])]
+    assert step_times.table(sides).splitlines()[2:] == [
+        "| a | 2 | 4 | 1.500 | 1.000 | 4.000 | 1.00 |",
+        "| b | 1 | 1 | 2.000 | 2.000 | 2.000 | 1.33 |",
+    ]
+    with pytest.raises(ValueError, match="no log matches"):
+        step_times.side(f"c={tmp_path}/c_*.jsonl")
