@@ -123,10 +123,18 @@ def check_same_model(path, config):
 
 def load_checkpoint(path, model, optimizer, scheduler, loader, device):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
-    check_complete(Path(path), ["model.safetensors", "trainer_state.pt"])
-    check_same_model(Path(path), model.config)
-    load_model(model, str(Path(path) / "model.safetensors"), device=str(device))
-    state = torch.load(Path(path) / "trainer_state.pt", map_location=device, weights_only=True)
+    path = Path(path)
+    if path.is_dir() and not (path / "model.safetensors").exists():
+        saved = ", ".join(sorted(p.name for p in path.glob("model*.safetensors")))
+        if saved:  # the later steps name their files after the layout they shard
+            raise ValueError(
+                f"{path} has no model.safetensors (it holds {saved}): a later step wrote it; "
+                f"resume it with that step"
+            )
+    check_complete(path, ["model.safetensors", "trainer_state.pt"])
+    check_same_model(path, model.config)
+    load_model(model, str(path / "model.safetensors"), device=str(device))
+    state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["data"])

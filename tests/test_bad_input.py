@@ -161,6 +161,11 @@ CASES = [
     (S3, "--save_dir {tmp}/ckpt_truncated --resume", "model.safetensors is truncated or damaged"),
     (
         S3,
+        "--save_dir {tmp}/ckpt_other_pp --resume",
+        "has no model.safetensors (it holds model-pp0-of-1-tp0-of-1.safetensors): a later step",
+    ),
+    (
+        S3,
         "--save_dir {tmp}/ckpt_missing --resume",
         "step_000001 is incomplete: it has no trainer_state",
     ),
