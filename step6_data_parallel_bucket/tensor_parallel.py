@@ -148,11 +148,14 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     shifted = logits - top  # (B, T, V/tp)
     # 2. The sum of exponentials over the whole vocabulary.
     sum_exp = Reduce.apply(shifted.exp().sum(dim=-1), group)  # (B, T)
-    # 3. The target's logit: held by one rank, the others contribute zero.
+    # 3. The target's logit: held by one rank, the others contribute zero. Picked by a flat
+    #    index, whose backward keeps only the index (gather's keeps a copy of `shifted`).
     local = targets - vocab_start
     mine = (local >= 0) & (local < vocab_per_partition)
-    picked = shifted.gather(-1, local.clamp(0, vocab_per_partition - 1).unsqueeze(-1))
-    target_logit = Reduce.apply(picked.squeeze(-1) * mine, group)  # (B, T)
+    index = local.clamp(0, vocab_per_partition - 1).flatten()
+    rows = torch.arange(index.numel(), device=index.device) * vocab_per_partition
+    picked = shifted.flatten()[rows + index].view(targets.shape)  # (B, T)
+    target_logit = Reduce.apply(picked * mine, group)  # (B, T)
     return (sum_exp.log() - target_logit).mean()
 
 

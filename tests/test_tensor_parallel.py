@@ -76,6 +76,18 @@ def layers_worker(rank, world, batch_shape):
     loss_dense.backward()
     loss_tp.backward()
     close(mine.grad, full.grad.chunk(world, -1)[rank], "cross-entropy grad")
+    # What its backward keeps of this rank's logits: one float copy (the exponentials), no more.
+    sizes = {}
+
+    def pack(tensor):
+        sizes[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    logits = torch.randn(4, 16, 32, requires_grad=True)  # 32 of the vocabulary on this rank
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        tp.vocab_parallel_cross_entropy(logits, torch.randint(0, 32 * world, (4, 16)), group)
+    copy = logits.numel() * 4
+    assert copy <= sum(sizes.values()) < 2 * copy, (sum(sizes.values()), copy)
 
     # Gather: all slices side by side; backward keeps this rank's slice.
     part = x.chunk(world, -1)[rank].clone().requires_grad_()

@@ -437,7 +437,7 @@ class Shapes:
     def activations(self, cp_size=1):
         """The bytes one micro-batch's forward saves for backward, by part, for T / cp_size tokens
         a row: a and s per decoder layer (s is what tp splits), e the embedding's, h + z the last
-        stage's (z: the loss's copies of the logits, split by tp); e3 and h3 in step 3."""
+        stage's (z: the loss's copy of the logits, split by tp); e3 and h3 in step 3."""
         B, T, D, F, H, K, d = self.B, self.T // cp_size, self.D, self.F, self.H, self.K, self.d
         BT = B * T
         return {
@@ -451,7 +451,7 @@ class Shapes:
             # The final norm (2BTD + BT floats), lm_head's input (BTD floats); the loss's target
             # index (int64), mask (bool) and sum of exponentials (float), per token.
             "h": 4 * (3 * BT * D + BT) + 13 * BT,
-            "z": 8 * BT * self.V,  # the exponentials and the shifted logits that gather reads
+            "z": 4 * BT * self.V,  # the exponentials: the loss keeps no other copy of the logits
             "e3": 8 * BT,  # nn.Embedding: the ids only
             "h3": 4 * (3 * BT * D + BT) + 8 * BT + 4,  # the targets, and a scalar: total weight
         }
@@ -494,9 +494,9 @@ def expected(layout, shapes, pp_rank):
         terms.append("e′" if step3 else "e")
         value += parts["e3" if step3 else "e"]
     if pp_rank == pp - 1:
-        # Step 3's F.cross_entropy keeps one copy of the logits (the log-softmax), not two.
-        terms.append("h′ + z/2" if step3 else f"h + z{by_tp}")
-        value += parts["h3"] + parts["z"] // 2 if step3 else parts["h"] + parts["z"] // tp
+        # Step 3's F.cross_entropy keeps one copy of the logits too, the log-softmax.
+        terms.append("h′ + z" if step3 else f"h + z{by_tp}")
+        value += parts["h3"] + parts["z"] if step3 else parts["h"] + parts["z"] // tp
     text = " + ".join(terms)
     if cp > 1:
         text = f"[{text}]/{cp}"  # every part is per token: T/cp tokens, 1/cp of the bytes
@@ -572,8 +572,8 @@ def legend(shapes, layouts, args):
     lines.append(
         f"Saved for backward, bytes: r = {parts['r']:,} and s = {parts['s']:,} per layer (r "
         f"replicated on the tp ranks, s split), e = {parts['e']:,} (embedding), h = "
-        f"{parts['h']:,} and z = {parts['z']:,} (final norm, lm_head, loss; z: two copies of the "
-        f"logits, split by tp); step 3: e′ = {parts['e3']:,}, h′ = {parts['h3']:,}."
+        f"{parts['h']:,} and z = {parts['z']:,} (final norm, lm_head, loss; z: the loss's one copy "
+        f"of the logits, split by tp); step 3: e′ = {parts['e3']:,}, h′ = {parts['h3']:,}."
     )
     lines.append(
         "Held at most: the most bytes saved for backward at once in the step, 1 micro-batch's "
