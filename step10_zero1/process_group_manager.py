@@ -8,10 +8,18 @@ span nodes.
 
     world 8, dp 2 x pp 2 x tp 2:   dp_rank 0: pp 0 [0 1]  pp 1 [2 3]
                                    dp_rank 1: pp 0 [4 5]  pp 1 [6 7]
+
+The grid is built from the list of its axes, AXES, and a group from the names of its axes: the
+group of an axis (or of several) is the ranks that share this rank's coordinates on all the other
+axes. A new axis is one more entry in the list (and one more size).
 """
+
+import math
 
 import torch
 import torch.distributed as dist
+
+AXES = ["dp", "pp", "tp"]  # the grid's dimensions, outermost first: the last varies fastest
 
 
 def check_sizes(world_size, tp_size, pp_size, dp_size):
@@ -29,8 +37,22 @@ def check_sizes(world_size, tp_size, pp_size, dp_size):
 
 
 def grid(world_size, tp_size, pp_size, dp_size):
-    """Global ranks laid out as a (dp, pp, tp) grid; tp varies fastest."""
-    return torch.arange(world_size).view(dp_size, pp_size, tp_size)  # (dp, pp, tp)
+    """Global ranks laid out as a grid with one dimension per entry of AXES, the last fastest."""
+    sizes = {"tp": tp_size, "pp": pp_size, "dp": dp_size}
+    return torch.arange(world_size).view([sizes[axis] for axis in AXES])  # (dp, pp, tp)
+
+
+def group_ranks(grid, *axes):
+    """Every group over `axes` (names from AXES, in any order), one row of global ranks each: the
+    ranks that share their coordinates on every other axis, listed in grid order."""
+    unknown = [axis for axis in axes if axis not in AXES]
+    if unknown or not axes:
+        raise ValueError(f"no axis {unknown or axes} in the grid; its axes are {', '.join(AXES)}")
+    inside = [dim for dim, axis in enumerate(AXES) if axis in axes]
+    across = [dim for dim in range(len(AXES)) if dim not in inside]
+    size = math.prod(grid.shape[dim] for dim in inside)
+    # The other axes to the front, these to the back: each row then varies along `axes` only.
+    return grid.permute(*across, *inside).reshape(-1, size)  # (groups, size)
 
 
 class ProcessGroupManager:
@@ -43,36 +65,38 @@ class ProcessGroupManager:
         check_sizes(self.world_size, tp_size, pp_size, dp_size)
         self.grid = grid(self.world_size, tp_size, pp_size, dp_size)
         coords = (self.grid == self.global_rank).nonzero()[0].tolist()
-        self.dp_rank, self.pp_rank, self.tp_rank = coords
-        self.dp_size, self.pp_size, self.tp_size = dp_size, pp_size, tp_size
-
-        # The ranks that share this rank's coordinates on the two other axes.
-        self.tp_group_ids = self.grid[self.dp_rank, self.pp_rank, :].tolist()
-        self.pp_group_ids = self.grid[self.dp_rank, :, self.tp_rank].tolist()
-        self.dp_group_ids = self.grid[:, self.pp_rank, self.tp_rank].tolist()
-        # Every rank must create every group, in the same order, even those it is not part of.
-        self.tp_group = self._new_group(self.grid.view(-1, tp_size))
-        self.pp_group = self._new_group(self.grid.transpose(1, 2).reshape(-1, pp_size))
-        self.dp_group = self._new_group(self.grid.permute(1, 2, 0).reshape(-1, dp_size))
+        self._groups = {}  # axes, in grid order -> (this rank's group, its global ranks)
+        # For each axis: this rank's coordinate along it and its size (`tp_rank`, `tp_size`), and
+        # the group of the ranks that differ from it only along it (`tp_group`, `tp_group_ids`).
+        for axis, coord, size in zip(AXES, coords, self.grid.shape, strict=True):
+            setattr(self, f"{axis}_rank", coord)
+            setattr(self, f"{axis}_size", size)
+            group, ids = self.group(axis)
+            setattr(self, f"{axis}_group", group)
+            setattr(self, f"{axis}_group_ids", ids)
 
         self.pp_is_first_stage = self.pp_rank == 0
         self.pp_is_last_stage = self.pp_rank == pp_size - 1
         self.pp_prev_rank = None if self.pp_is_first_stage else self.pp_group_ids[self.pp_rank - 1]
         self.pp_next_rank = None if self.pp_is_last_stage else self.pp_group_ids[self.pp_rank + 1]
 
-    def _new_group(self, rows):
-        mine = None
-        for ranks in rows.tolist():
-            group = dist.new_group(ranks, timeout=self.timeout)
-            if self.global_rank in ranks:
-                mine = group
-        assert mine is not None
-        return mine
+    def group(self, *axes):
+        """This rank's process group over `axes`, e.g. group("tp") or group("dp", "pp"), and its
+        global ranks. Every rank must create every group, in the same order, even those it is not
+        part of, so call it on every rank alike: the first call for some axes creates all their
+        groups, the later ones return the group made then."""
+        rows = group_ranks(self.grid, *axes)
+        key = tuple(axis for axis in AXES if axis in axes)
+        if key not in self._groups:
+            for ranks in rows.tolist():
+                group = dist.new_group(ranks, timeout=self.timeout)
+                if self.global_rank in ranks:
+                    self._groups[key] = group, ranks
+        assert key in self._groups, (self.global_rank, key)
+        return self._groups[key]
 
     def __repr__(self):
-        return (
-            f"rank {self.global_rank}/{self.world_size}: dp {self.dp_rank}/{self.dp_size} "
-            f"pp {self.pp_rank}/{self.pp_size} tp {self.tp_rank}/{self.tp_size} | "
-            f"tp group {self.tp_group_ids} pp group {self.pp_group_ids} "
-            f"dp group {self.dp_group_ids}"
-        )
+        get = lambda axis, what: getattr(self, f"{axis}_{what}")
+        where = " ".join(f"{axis} {get(axis, 'rank')}/{get(axis, 'size')}" for axis in AXES)
+        groups = " ".join(f"{axis} group {get(axis, 'group_ids')}" for axis in reversed(AXES))
+        return f"rank {self.global_rank}/{self.world_size}: {where} | {groups}"

@@ -9,8 +9,8 @@ is never applied (--on_nonfinite), a checkpoint is not begun on a disk it would 
     for step in range(run.start_step + 1, args.max_steps + 1):
         run.begin(step, optimizer)
         with run.communication():             # --comm_stats: what the first step sends
-            ...                               # one training step
-        run.end(loss, grad_norm, tokens)
+            facts = ...                       # one training step, which ends with agree(...)
+        run.end(facts, tokens)
         if run.should_validate(): run.record["val_loss"] = evaluate(...)
         run.log_step()
         if run.should_save(): save_checkpoint(...)
@@ -25,6 +25,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,22 +99,71 @@ def find_checkpoint(args):
     return path
 
 
-def all_finite(*tensors):
-    """Whether every value of `tensors` is finite on every rank: the ranks decide alike (a MIN
-    over the world), so a step that is bad on one rank is applied on none."""
-    flag = torch.stack([torch.isfinite(t).all() for t in tensors]).all().float()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return flag.item() == 1.0
+class Facts(NamedTuple):
+    """What every rank knows alike after a step's backward (`agree`)."""
+
+    loss: float  # the step's loss, the mean over the batch
+    grad_norm: float
+    loss_finite: bool  # on every rank
+    grad_norm_finite: bool
+    stop: bool  # SIGTERM came to some rank: every rank stops after this step
+
+    @property
+    def finite(self):
+        return self.loss_finite and self.grad_norm_finite
+
+
+def agree(loss, grad_norm, counted=True, replicas=1):
+    """The step's facts in one collective and one host sync, before the update: every rank then
+    decides alike (a step that is not finite on one rank is applied on none) and stops after the
+    same step. `loss`: this rank's loss; the logged loss is its sum over the ranks that count it
+    (a rank whose loss copies another's does not), divided by `replicas`, the ranks that each saw
+    their own share of the batch. `grad_norm` is the whole model's, the same on every rank. On a
+    GPU each `.item()` waits for the queue to drain, so the five facts travel as one tensor."""
+    facts = torch.stack(
+        [
+            loss.float() if counted else torch.zeros_like(loss, dtype=torch.float32),
+            (~torch.isfinite(loss)).float(),  # counts of the ranks where it is not finite
+            (~torch.isfinite(grad_norm)).float(),
+            torch.tensor(float(StopSignal.received), device=loss.device),
+        ]
+    )
+    if dist.get_world_size() > 1:  # a world of one has nothing to agree on
+        dist.all_reduce(facts)
+    facts = torch.cat([facts, grad_norm.float().view(1)])  # the norm is already the same everywhere
+    loss_sum, bad_loss, bad_norm, stop, norm = facts.tolist()
+    return Facts(loss_sum / replicas, norm, bad_loss == 0, bad_norm == 0, stop > 0)
+
+
+def one_node(environ):
+    """Whether torchrun (its variables in `environ`) runs every rank of the job on this node."""
+    several = int(environ.get("GROUP_WORLD_SIZE", "1")) > 1  # GROUP: one launcher per node
+    return not several and environ.get("LOCAL_WORLD_SIZE") == environ.get("WORLD_SIZE")
+
+
+def restart_store(environ, timeout):
+    """The store of torchrun's rendezvous (env://), for init_process_group, each try's keys under
+    a prefix of its own. torchrun --max_restarts N starts the workers again after a failure and by
+    default shares its own store with them, which still holds the addresses that the dead try's
+    ranks wrote there: a new rank could read one and wait for a peer that is gone. On one node
+    every worker has the same restart count, so `try<count>/` keeps the tries apart; across nodes
+    each launcher counts its own restarts, so there the store stays as it is."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    if one_node(environ):
+        store = dist.PrefixStore(f"try{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store
 
 
 def check_restarts(environ):
-    """torchrun --max_restarts N restarts the workers after a failure, but with the rendezvous
-    store shared with the workers (its default) the new group cannot connect: say so at start."""
+    """torchrun --max_restarts N restarts the workers after a failure. Across nodes, with the
+    rendezvous store shared with the workers (its default), the new group cannot connect: say so
+    at start."""
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts > 0 and environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+    shared = environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+    if restarts > 0 and shared and not one_node(environ):
         log(
             f"warning: torchrun may restart these workers (--max_restarts {restarts}), but a "
-            "restarted group cannot reconnect unless torchrun runs with "
+            "restarted group of several nodes cannot reconnect unless torchrun runs with "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
         )
 
@@ -150,10 +200,13 @@ def warmup_cosine(optimizer, args):
 
 class Run:
     """One run's bookkeeping on the grid `pgm`. `flops_per_token`: the training FLOPs one device
-    spends per token of the step, for the throughput and MFU of the step line."""
+    spends per token of the step, for the throughput and MFU of the step line. `replicas`: how
+    many ranks hold the same weights, which a checkpoint saves once; the dp ranks unless the step
+    says otherwise."""
 
-    def __init__(self, args, device, flops_per_token, pgm):
+    def __init__(self, args, device, flops_per_token, pgm, replicas=None):
         self.args, self.device, self.flops, self.pgm = args, device, flops_per_token, pgm
+        self.replicas = pgm.dp_size if replicas is None else replicas
         self.peak = peak_flops(device, args.peak_tflops)
         self.start_step, self.step, self.record = 0, 0, {}
         self.stop_signal, self.stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
@@ -228,30 +281,29 @@ class Run:
         self.metrics = MetricsLog(self.args, append=self.start_step > 0)
         self.profiler = start_profiler(self.args.profile, self.device)
 
-    def end(self, loss, grad_norm, tokens):
-        """After the step: its loss, gradient norm and the tokens trained so far (the rows served
-        times seq_len: right after a resume that changed the batch, too)."""
+    def end(self, facts, tokens):
+        """After the step: what the ranks agreed on (its loss, gradient norm, whether they are
+        finite, whether to stop) and the tokens trained so far (the rows served times seq_len:
+        right after a resume that changed the batch, too)."""
         tokens_per_second = self.args.tokens_per_step / (time.perf_counter() - self.start)
         if self.profiler:
             self.profiler.step()
-        self.record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.lr}
+        self.record = {"step": self.step, "loss": facts.loss, "grad_norm": facts.grad_norm}
+        self.record["lr"], self.stopped = self.lr, facts.stop
         self.record.update(tokens=tokens, tokens_per_second=tokens_per_second)
         if self.comm:
             self.record["comm"], self.comm = self.comm, None
-        self.check_finite(loss, grad_norm)
+        self.check_finite(facts)
 
-    def check_finite(self, loss, grad_norm):
+    def check_finite(self, facts):
         """train_step applied no update if the loss or the gradient norm was not finite on some
-        rank (all_finite): stop here, before anything is validated or saved, or count the skip."""
-        finite = [math.isfinite(loss), math.isfinite(grad_norm)]
-        flags = torch.tensor(finite, dtype=torch.float32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # which quantity is bad on some rank
-        if flags.min().item() == 1.0:
+        rank (`agree`): stop here, before anything is validated or saved, or count the skip."""
+        if facts.finite:
             self.in_a_row = 0
             if self.skipped:  # the log counts the skips so far
                 self.record["skipped_steps"] = self.skipped
             return
-        args, what = self.args, "the loss" if flags[0] < 1 else "the gradient norm"
+        args, what = self.args, "the gradient norm" if facts.loss_finite else "the loss"
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
         self.record.update(skipped=True, skipped_steps=self.skipped)
         if args.on_nonfinite == "skip" and self.in_a_row <= args.max_nonfinite_skips:
@@ -274,7 +326,7 @@ class Run:
     def disk_holds_a_checkpoint(self):
         """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
         before the first, an estimate from this rank's parameters and optimizer state (summed
-        over the ranks, less the dp replicas' copies). All ranks agree. With --low_disk stop a
+        over the ranks, less the replicas' copies). All ranks agree. With --low_disk stop a
         checkpoint that would not fit stops the run; with skip_save the run trains on."""
         args, latest = self.args, latest_checkpoint(self.args.save_dir)
         if latest is not None and latest.is_dir():
@@ -288,9 +340,7 @@ class Run:
             local += 0 if state else 2 * sum(p.numel() * p.element_size() for p in params)
             needed = torch.tensor(float(local), device=self.device)
             dist.all_reduce(needed)
-            # The ranks that hold the same weights (dp, and cp from step 11) save them once.
-            replicas = self.pgm.dp_size * getattr(self.pgm, "cp_size", 1)
-            needed /= replicas
+            needed /= self.replicas  # the ranks that hold the same weights save them once
         folder = next(p for p in [Path(args.save_dir), *Path(args.save_dir).parents] if p.exists())
         free = shutil.disk_usage(folder).free
         fits = torch.tensor(float(needed.item() < free), device=self.device)
@@ -330,11 +380,10 @@ class Run:
             )
 
     def should_save(self):
-        """Writes the step's record, then asks every rank whether SIGTERM came (they agree on
-        it): a checkpoint is due every save_every steps, at the last step, and when stopped, if
-        the disk holds it. Older checkpoints beyond --keep_last go first."""
+        """Writes the step's record: a checkpoint is due every save_every steps, at the last
+        step, and when SIGTERM came to some rank (the step's facts), if the disk holds it. Older
+        checkpoints beyond --keep_last go first."""
         self.metrics.write(self.record)
-        self.stopped = self.stop_signal.requested(self.device)
         due = self.step % self.args.save_every == 0 or self.last() or self.stopped
         if not (self.args.save_dir and due):
             return False

@@ -37,41 +37,23 @@ from safetensors.torch import save_file
 
 from model import LlamaForCausalLM
 from pipeline_parallel import check_pipeline_parallel
-from tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    check_tensor_parallel,
-)
+from placement import placed_parameters, starts
+from tensor_parallel import check_tensor_parallel
 from utils import log
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, shaped and split like their parameter
 
 
-def split_dim(module):
-    """The dim along which tensor parallelism split this module's weight; None: not split."""
-    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-        return 0  # rows: output features, or the vocabulary
-    if isinstance(module, RowParallelLinear):
-        return 1  # columns: input features
-    return None  # the RMSNorm weights, whole on every tp rank
-
-
 def local_parameters(model):
     """This rank's parameters, each once (a shared one under its first name), as (name,
-    parameter, dim, start, full shape): the parameter is [start, start + its size) along `dim`
-    of the full tensor, or all of it when dim is None."""
-    seen = set()
-    for prefix, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            dim, start, shape = split_dim(module), 0, list(param.shape)
-            if dim is not None:
-                start, shape[dim] = module.tp_rank * param.shape[dim], module.tp_size * shape[dim]
-            yield f"{prefix}.{name}", param, dim, start, shape
+    parameter, dim, start, full shape), from each one's placement: the parameter is [start, start
+    + its size) along `dim` of the full tensor, or all of it when dim is None."""
+    for placed in placed_parameters(model):
+        first = starts(placed.param.shape, placed.record)
+        assert len(first) <= 1, f"{placed.name}: the index holds one split dim per tensor"
+        dim, start = next(iter(first.items()), (None, 0))
+        yield placed.name, placed.param, dim, start, placed.shape
 
 
 def stored_name(name, config):

@@ -35,6 +35,78 @@ from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use
 from model import LlamaAttention, apply_rotary, rotary_cos_sin
 
 aten = torch.ops.aten
+# The private kernels called below by position: the arguments passed, in order, and how many
+# results are read. A private kernel may change between releases, so check_kernels compares these
+# with the installed torch's schemas once, before any is called.
+KERNELS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        ["query", "key", "value", "dropout_p", "is_causal"],
+        2,
+    ),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"],
+        3,
+    ),
+    "_scaled_dot_product_flash_attention": (["query", "key", "value", "dropout_p", "is_causal"], 2),
+    "_scaled_dot_product_efficient_attention": (
+        ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"],
+        2,
+    ),
+    "_scaled_dot_product_flash_attention_backward": (
+        [
+            "grad_out",
+            "query",
+            "key",
+            "value",
+            "out",
+            "logsumexp",
+            "cum_seq_q",
+            "cum_seq_k",
+            "max_q",
+            "max_k",
+            "dropout_p",
+            "is_causal",
+            "philox_seed",
+            "philox_offset",
+        ],
+        3,
+    ),  # fmt: skip
+    "_scaled_dot_product_efficient_attention_backward": (
+        [
+            "grad_out_",
+            "query",
+            "key",
+            "value",
+            "attn_bias",
+            "out",
+            "logsumexp",
+            "philox_seed",
+            "philox_offset",
+            "dropout_p",
+            "grad_input_mask",
+            "is_causal",
+        ],
+        4,
+    ),  # fmt: skip
+}
+
+
+def check_kernels():
+    """Refuse a torch whose private attention kernels take other arguments than the calls below
+    pass, or return fewer results than they read."""
+    for name, (arguments, results) in KERNELS.items():
+        try:
+            schema = getattr(aten, name).default._schema
+        except (AttributeError, RuntimeError):
+            schema = None
+        got = [argument.name for argument in schema.arguments] if schema else []
+        if got[: len(arguments)] != arguments or len(schema.returns) < results:
+            raise ValueError(
+                f"context parallelism calls aten.{name}({', '.join(arguments)}) and reads "
+                f"{results} results, but torch {torch.__version__} "
+                f"{f'defines {schema}' if schema else 'has no such kernel'}; use a torch whose "
+                f"kernel takes these arguments"
+            )
 
 
 def chunk_ids(cp_rank, cp_size):
@@ -266,13 +338,13 @@ class RingAttention(torch.autograd.Function):
 
 
 ### end Ring attention
-class ContextParallelAttention(LlamaAttention):
+class ContextParallelAttention(nn.Module):
     """A layer's attention on this rank's chunks of the sequence: RoPE turns each token by its
     global position, and attention runs around the ring. It takes over the layer's projections
     under their own names, so the weights and the state dict are those of LlamaAttention."""
 
     def __init__(self, attention, group):
-        nn.Module.__init__(self)  # LlamaAttention's would build new projections
+        super().__init__()
         self.head_dim, self.rope = attention.head_dim, attention.rope
         self.q_proj, self.k_proj = attention.q_proj, attention.k_proj
         self.v_proj, self.o_proj = attention.v_proj, attention.o_proj
@@ -282,7 +354,7 @@ class ContextParallelAttention(LlamaAttention):
 
     def forward(self, x):
         if not self.ring:
-            return super().forward(x)
+            return LlamaAttention.forward(self, x)  # the layer's own, on the whole sequence
         B, T, _ = x.shape  # T: this rank's tokens, of T * cp_size in the whole sequence
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, d)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, d)
@@ -301,6 +373,7 @@ class ContextParallelAttention(LlamaAttention):
 def apply_context_parallel(model, group):
     """Swap every layer's attention for its context-parallel version. Call it on the meta
     device, before the weights exist; the projections (maybe tensor-parallel) are kept."""
+    check_kernels()
     for layer in model.model.layers:
         layer.self_attn = ContextParallelAttention(layer.self_attn, group)
     return model

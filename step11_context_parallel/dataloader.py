@@ -23,9 +23,8 @@ from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
 
 from context_parallel import split_sequence
+from flags import ASSETS
 from utils import log
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def resolve(name, kind):

@@ -29,17 +29,16 @@ through the same buffers (an all-gather, like the parameters), and at load time 
 its piece of it, so a run resumes in any layout, dp_size and bucket size.
 """
 
-import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from data_parallel import Bucket, DataParallelBucket, OverlapTimeline
-from tensor_parallel import is_sharded
+from checkpoint import MOMENTS  # AdamW's, elementwise like their parameter
+from data_parallel import Bucket, DataParallelBucket
+from overlap_timeline import NO_TIMELINE
+from placement import grad_norm, placed_parameters
 from utils import log
-
-MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, elementwise like their parameter
 
 
 class ShardedBucket(Bucket):
@@ -123,34 +122,25 @@ class ShardedBucketManager:
 class DataParallelZero1(DataParallelBucket):
     """Data parallelism with the optimizer sharded: step 6's buckets reduce-scattered during
     backward; the optimizer holds only this rank's shard (`shard`), clipped by the whole model's
-    norm (`clip_grad_norm`); `all_gather_parameters` after the update. `tied_weight`: this
-    stage's copy of a tied embedding split between stages, or None."""
+    norm (`clip_grad_norm`); `all_gather_parameters` after the update. `shard_axes`: the axes
+    of the grid (`pgm`) whose ranks hold the same weights, over which gradients are averaged and
+    the optimizer sharded. `tied_weight`: this stage's copy of a tied embedding split between
+    stages, or None."""
 
-    def __init__(self, module, dp_group, bucket_size_mb=25, tied_weight=None, timeline=False):
-        nn.Module.__init__(self)  # DataParallelBucket's own buckets would all-reduce
-        self.module, self.dp_group = module, dp_group
-        self.require_backward_grad_sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
-        bucket_size = int(bucket_size_mb * 2**20)
-        self.bucket_manager = ShardedBucketManager(params, dp_group, bucket_size, tied_weight)
+    def __init__(
+        self, module, pgm, shard_axes, bucket_size_mb=25, tied_weight=None, timeline=NO_TIMELINE
+    ):
+        buckets = partial(ShardedBucketManager, alone=tied_weight)  # instead of all-reduced ones
+        dp_group, _ = pgm.group(*shard_axes)
+        super().__init__(module, dp_group, bucket_size_mb, timeline, buckets)
+        self.shard_axes = shard_axes
         self.pieces = {}  # param: (the optimizer's view of its run in this rank's shard, first)
-        self.launched_in_backward = 0
-        self.timeline = OverlapTimeline(self.bucket_manager.buckets) if timeline else None
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._accumulate_grad)
-        # Tensor-parallel slices, whose squares the norm sums over tp (the others are replicated).
-        self.tp_sharded = {
-            id(param) for m in module.modules() if is_sharded(m) for param in m.parameters(False)
-        }
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's reduce-scatter. No parameter gets a `.grad`: only this rank's
         shard of each gradient is averaged, and the optimizer reads it through `shard`."""
-        self.launched_in_backward = sum(b.handle is not None for b in self.bucket_manager.buckets)
-        start = time.time_ns()
-        self.bucket_manager.wait()
-        if self.timeline is not None:
-            self.timeline.waited(start, time.time_ns())
+        with self.timeline.wait():
+            self.bucket_manager.wait()
 
     def shard(self, params):
         """What the optimizer updates of `params` on this rank: a view of each run of their
@@ -176,24 +166,21 @@ class DataParallelZero1(DataParallelBucket):
 
     def clip_grad_norm(self, max_norm, pgm, tied):
         """Clip by the whole model's gradient norm, though each rank holds only its shard of the
-        gradient: the shards' squares summed over dp give this (pp, tp) rank's, then as in step 9
-        tensor-parallel slices are summed over tp (replicated weights counted once) and the
-        stages over pp; a tied embedding's last-stage copy is left out (counted once)."""
-        buckets = self.bucket_manager.buckets
+        gradient: each run of a parameter in this rank's shard is a piece of it, spread over the
+        axes of its placement and over the optimizer's `shard_axes`. A tied
+        embedding's last-stage copy is left out (counted once), and clipped all the same."""
+        buckets, record = self.bucket_manager.buckets, {}
+        for placed in placed_parameters(self.module):
+            record[id(placed.param)] = placed.axes | set(self.shard_axes)
         counted = {id(param) for param in tied.counted.parameters()}
-        squares = torch.zeros(2, device=buckets[0].grad_data.device)  # tp-sharded, replicated
-        for bucket in buckets:
-            for param, _, lo, hi in bucket.in_shard():
-                if id(param) not in counted:
-                    continue
-                kind = 0 if id(param) in self.tp_sharded else 1
-                squares[kind] += bucket.grad_data[lo:hi].pow(2).sum()
-        dist.all_reduce(squares, group=self.dp_group)  # the group it is sharded over
-        sharded, replicated = squares.unbind()
-        dist.all_reduce(sharded, group=pgm.tp_group)
-        total = sharded + replicated
-        dist.all_reduce(total, group=pgm.pp_group)
-        total_norm = total.sqrt()
+        pieces = [
+            (bucket.grad_data[lo:hi], record[id(param)])
+            for bucket in buckets
+            for param, _, lo, hi in bucket.in_shard()
+            if id(param) in counted
+        ]
+        axes, device = [*self.shard_axes, "tp", "pp"], buckets[0].grad_data.device
+        total_norm = grad_norm(pieces, pgm, axes, device)
         clip = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils does
         for bucket in buckets:
             bucket.grad_shard.mul_(clip)  # the shard: the gradients this rank updates with

@@ -45,6 +45,9 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
     return final
 
 
+FILES = ["model.safetensors", "trainer_state.pt"]  # what write_state writes
+
+
 def write_state(folder, step, model, optimizer, scheduler, loader):
     save_model(model, str(folder / "model.safetensors"))  # handles tied embeddings
     # safetensors creates its file 0600 (a temporary file, renamed): make it as readable as
@@ -125,13 +128,13 @@ def load_checkpoint(path, model, optimizer, scheduler, loader, device):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
     path = Path(path)
     if path.is_dir() and not (path / "model.safetensors").exists():
-        saved = ", ".join(sorted(p.name for p in path.glob("model*.safetensors")))
-        if saved:  # the later steps name their files after the layout they shard
+        others = sorted(p.name for p in path.glob("*.safetensors") if p.name not in FILES)
+        if others:  # weights, but not in a file of this step's
             raise ValueError(
-                f"{path} has no model.safetensors (it holds {saved}): a later step wrote it; "
-                f"resume it with that step"
+                f"{path} has no model.safetensors (it holds {', '.join(others)}): a later step "
+                f"wrote it; resume it with that step"
             )
-    check_complete(path, ["model.safetensors", "trainer_state.pt"])
+    check_complete(path, FILES)
     check_same_model(path, model.config)
     load_model(model, str(path / "model.safetensors"), device=str(device))
     state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)

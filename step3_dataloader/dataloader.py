@@ -15,9 +15,8 @@ import torch
 from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
 
+from flags import ASSETS
 from utils import log
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 def resolve(name, kind):

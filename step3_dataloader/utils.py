@@ -113,20 +113,19 @@ class StopSignal:
     """SIGTERM, which Slurm and Kubernetes send some seconds before they kill a job, asks the run
     to stop: the step in progress finishes, a checkpoint is saved, and the ranks exit with status 0;
     --resume continues the run exactly. The ranks may get the signal at different steps, or only
-    some of them get it, so after every step they agree (a MAX over the world) and all stop after
-    the same step."""
+    some of them get it, so every step they agree (bookkeeping's `agree`, in the step's one
+    collective) and all stop after the same step. A signal handler belongs to the process, and so
+    does the flag: `StopSignal.received`."""
+
+    received = False
 
     def __init__(self):
-        self.received = False
+        StopSignal.received = False
         signal.signal(signal.SIGTERM, self.receive)
 
-    def receive(self, signum, frame):
-        self.received = True
-
-    def requested(self, device):
-        flag = torch.tensor(float(self.received), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+    @staticmethod
+    def receive(signum, frame):
+        StopSignal.received = True
 
 
 def log(*args, all_ranks=False):

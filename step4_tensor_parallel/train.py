@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
 from checkpoint import load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
@@ -46,8 +46,11 @@ def setup_distributed(args):
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    if "RANK" in os.environ:  # torchrun's store, each restart's keys apart from the last's
+        store = restart_store(os.environ, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
@@ -113,11 +116,12 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
         loss = loss_fn(logits, targets, pgm) / len(micro_batches)
         loss.backward()
         total += loss.detach()
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm.tp_group)  # of the whole model
-    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+    grad_norm = clip_grad_norm(model, args.grad_clip, pgm)  # of the whole model
+    facts = agree(total, grad_norm, counted=pgm.tp_rank == 0)  # tp's copies of the loss: once
+    if facts.finite:  # on every rank alike: a non-finite step changes nothing
         optimizer.step()
         scheduler.step()
-    return total.item(), grad_norm.item()
+    return facts
 
 
 @torch.no_grad()
@@ -176,10 +180,8 @@ def main(argv=None):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         with run.communication():  # --comm_stats: what the step sends
-            loss, grad_norm = train_step(
-                wrapped, batch, optimizer, scheduler, args, device, dtype, pgm
-            )
-        run.end(loss, grad_norm, train_loader.position * args.seq_len)
+            facts = train_step(wrapped, batch, optimizer, scheduler, args, device, dtype, pgm)
+        run.end(facts, train_loader.position * args.seq_len)
         if run.should_validate():
             run.record["val_loss"] = evaluate(model, val_loader, args, device, dtype, pgm)
         run.log_step()

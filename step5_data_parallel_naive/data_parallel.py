@@ -37,4 +37,4 @@ class DataParallelNaive(nn.Module):
 
     def finish_gradient_synchronization(self):
         """Called after the last backward. Each all-reduce above blocked until done, so here there
-        is nothing left to wait for; the bucketed version of step 6 waits here."""
+        is nothing left to wait for; a version whose all-reduces run during backward waits here."""

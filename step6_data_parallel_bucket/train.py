@@ -10,12 +10,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
 from flags import add_trace_flag, load_config, make_parser, parse
 from model import LlamaForCausalLM
+from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
     Gather,
@@ -58,8 +59,11 @@ def setup_distributed(args):
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    if "RANK" in os.environ:  # torchrun's store, each restart's keys apart from the last's
+        store = restart_store(os.environ, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
@@ -137,14 +141,14 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
         total += loss.detach()
     model.finish_gradient_synchronization()
     if args.dp_timeline is not None:
-        model.report_overlap(args.bucket_size_mb, args.dp_timeline)
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm.tp_group)  # of the whole model
-    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+        model.timeline.report(args.bucket_size_mb, args.dp_timeline)
+    grad_norm = clip_grad_norm(model, args.grad_clip, pgm)  # of the whole model
+    # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
+    facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
+    if facts.finite:  # on every rank alike: a non-finite step changes nothing
         optimizer.step()
         scheduler.step()
-    # Each replica saw its own share; the logged loss is the mean over the whole batch.
-    dist.all_reduce(total, group=pgm.dp_group)
-    return total.item() / pgm.dp_size, grad_norm.item()
+    return facts
 
 
 @torch.no_grad()
@@ -196,7 +200,7 @@ def main(argv=None):
     wrapped = torch.compile(model) if args.compile else model
     ### begin Data parallelism
     # The wrapper averages gradients over dp; evaluation, sampling and checkpoints use the model.
-    timeline = args.dp_timeline is not None
+    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
     wrapped = DataParallelBucket(wrapped, pgm.dp_group, args.bucket_size_mb, timeline)
     ### end Data parallelism
     params = sum(p.numel() for p in model.parameters())
@@ -210,10 +214,8 @@ def main(argv=None):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         with run.communication():  # --comm_stats: what the step sends
-            loss, grad_norm = train_step(
-                wrapped, batch, optimizer, scheduler, args, device, dtype, pgm
-            )
-        run.end(loss, grad_norm, train_loader.position * args.seq_len)
+            facts = train_step(wrapped, batch, optimizer, scheduler, args, device, dtype, pgm)
+        run.end(facts, train_loader.position * args.seq_len)
         if run.should_validate():
             run.record["val_loss"] = evaluate(model, val_loader, args, device, dtype, pgm)
         run.log_step()

@@ -13,11 +13,15 @@ copies one weight: equal at the start, the same summed gradient at every step.
 
 # B micro-batch, T tokens, D hidden, V vocab
 
+import argparse
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensor_parallel import grad_squares
+from pipeline_timeline import NoTimeline
+from placement import Held, place, record_of
 
 
 def stage_layers(num_layers, pp_rank, pp_size):
@@ -47,6 +51,9 @@ def keep_stage(model, pgm):
         model.model.embed_tokens = None
     if not pgm.pp_is_last_stage:
         model.model.norm, model.lm_head = None, None
+    for module in model.modules():  # what is left lives on this stage alone
+        for name, _ in module.named_parameters(recurse=False):
+            place(module, name, *record_of(module, name), Held("pp", pgm.pp_rank))
     return model
 
 
@@ -70,7 +77,7 @@ class TiedEmbeddings:
         # tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates every
         # group, in the same order, even those it is not part of.
         for ranks in pgm.grid[:, [0, -1], :].transpose(1, 2).reshape(-1, 2).tolist():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=pgm.timeout)
             if pgm.global_rank in ranks:
                 self.group, self.first_rank = group, ranks[0]
         if pgm.pp_is_first_stage:
@@ -110,78 +117,190 @@ class PipelineParallel(nn.Module):
 
 
 ### begin Communication
-def recv_forward(shape, pgm, device):
-    """The previous stage's activations; they will need a gradient, to be sent back."""
-    if pgm.pp_is_first_stage:
-        return None
-    x = torch.empty(shape, device=device)  # activations travel in fp32 (the residual stream)
-    dist.recv(x, src=pgm.pp_prev_rank)
-    return x.requires_grad_()
+class Recv:
+    """A receive posted now, filled in the background, waited for when its tensor is needed."""
+
+    def __init__(self, shape, peer, device):
+        self.tensor = torch.empty(shape, device=device)  # activations travel in fp32
+        self.work = dist.irecv(self.tensor, src=peer)
+
+    def wait(self):
+        self.work.wait()
+        return self.tensor
 
 
-def send_forward(y, pgm):
-    if not pgm.pp_is_last_stage:
-        dist.send(y.detach().float().contiguous(), dst=pgm.pp_next_rank)
+class Send:
+    """A send started now: the stage goes on computing while the tensor travels."""
 
+    def __init__(self, tensor, peer):
+        self.tensor = tensor.contiguous()  # kept alive until the send is done
+        self.work = dist.isend(self.tensor, dst=peer)
 
-def recv_backward(shape, pgm, device):
-    """The gradient of this stage's output, from the next stage (none on the last: the loss)."""
-    if pgm.pp_is_last_stage:
-        return None
-    grad = torch.empty(shape, device=device)
-    dist.recv(grad, src=pgm.pp_next_rank)
-    return grad
-
-
-def send_backward(grad, pgm):
-    if not pgm.pp_is_first_stage:
-        dist.send(grad.contiguous(), dst=pgm.pp_prev_rank)
+    def wait(self):
+        self.work.wait()
 
 
 ### end Communication
 def forward_step(model, inputs, shape, pgm, device):
-    """One micro-batch through this stage; returns (this stage's input, its output)."""
-    x = inputs if pgm.pp_is_first_stage else recv_forward(shape, pgm, device)
+    """One micro-batch through this stage, forward only (evaluation, sampling); returns (this
+    stage's input, its output)."""
+    x = inputs if pgm.pp_is_first_stage else Recv(shape, pgm.pp_prev_rank, device).wait()
     y = model(x)
-    send_forward(y, pgm)
+    if not pgm.pp_is_last_stage:
+        Send(y.detach().float(), pgm.pp_next_rank).wait()  # the residual stream, in fp32
     return x, y
 
 
-def backward_step(x, y, shape, pgm, device):
-    """Backward through this stage, from the next stage's gradient (or the loss), and send the
-    gradient of the input to the previous stage."""
-    torch.autograd.backward(y, grad_tensors=recv_backward(shape, pgm, device))
-    if not pgm.pp_is_first_stage:
-        send_backward(x.grad, pgm)
+### begin Schedules
+class Action(NamedTuple):
+    """One entry of a schedule: the forward ("F") or backward ("B") of micro-batch k through
+    chunk c of this rank's layers (one chunk per rank here; a rank with several holds chunks r,
+    r + pp_size, ... of the pipeline). A schedule that splits the backward would add a kind."""
+
+    kind: str
+    micro_batch: int
+    chunk: int = 0
+
+    def __str__(self):  # F1 B1 ..., counted from 1; a chunk other than 0 as F1.c1
+        return f"{self.kind}{self.micro_batch + 1}" + (f".c{self.chunk}" if self.chunk else "")
 
 
-def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype):
-    """All forward, then all backward. Every stage holds the activations of every micro-batch
-    until its backward. Returns the step's loss on the last stage (zero on the others)."""
-    held, total = [], torch.zeros((), device=device)
-    for inputs, targets in micro_batches:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            x, y = forward_step(model, inputs, shape, pgm, device)
-        if pgm.pp_is_last_stage:
-            # Divided by the number of micro-batches, as in step 3: the gradients are then those
-            # of one process with the same accumulation, not m times larger.
-            y = loss_fn(y, targets) / len(micro_batches)
-            total += y.detach()
-        held.append((x, y))
-    for i, (x, y) in enumerate(held):
-        # Data-parallel gradients are averaged once, during the step's last backward.
-        model.require_backward_grad_sync = i == len(held) - 1
-        backward_step(x, y, shape, pgm, device)
+def afab(pp_size, m):
+    """All forward, then all backward: every stage runs F1 ... Fm, then B1 ... Bm."""
+    forwards = [Action("F", k) for k in range(m)]
+    backwards = [Action("B", k) for k in range(m)]
+    return [forwards + backwards for _ in range(pp_size)]
+
+
+# A schedule: (pp_size, m) -> each rank's list of actions, in the order the rank runs them.
+SCHEDULES = {"afab": afab}
+
+
+def held(actions):
+    """The most micro-batches whose activations the actions hold at once (forwards whose
+    backward has not run yet)."""
+    count, peak = 0, 0
+    for action in actions:
+        count += 1 if action.kind == "F" else -1
+        peak = max(peak, count)
+    return peak
+
+
+def table(name, pp_size, m):
+    """One line per stage: the actions of the schedule, and how many micro-batches it holds."""
+    lines = []
+    for r, actions in enumerate(SCHEDULES[name](pp_size, m)):
+        order = " ".join(map(str, actions))
+        lines.append(
+            f"{name.upper() if r == 0 else '':<7}stage {r:<6}{order}   held {held(actions)}"
+        )
+    return "\n".join(lines)
+
+
+### end Schedules
+class Stage:
+    """The seam between the executor and the model: one chunk of this rank's layers, its forward
+    and its backward. Its place in the pipeline is chunk * pp_size + pp_rank: the first takes the
+    token ids, the last computes the loss; the stage before it is on the previous rank, the one
+    after on the next, around the ring (the last rank's chunk c feeds rank 0's chunk c + 1)."""
+
+    def __init__(self, model, pgm, chunk=0, chunks=1):
+        self.model = model
+        index = chunk * pgm.pp_size + pgm.pp_rank
+        self.is_first, self.is_last = index == 0, index == chunks * pgm.pp_size - 1
+        self.prev_rank = pgm.pp_group_ids[(pgm.pp_rank - 1) % pgm.pp_size]
+        self.next_rank = pgm.pp_group_ids[(pgm.pp_rank + 1) % pgm.pp_size]
+
+    def forward(self, x):
+        return self.model(x)
+
+    def backward(self, x, y, grad):
+        """Backward from y's gradient (None when y is the loss: it starts from 1). Returns the
+        gradient of the input x, for the stage before (None on the first stage)."""
+        torch.autograd.backward(y, grad_tensors=grad)
+        return None if self.is_first else x.grad
+
+
+def run_schedule(actions, stages, micro_batches, loss_fn, shape, device, dtype, timeline=None):
+    """Run this rank's actions in order, `stages` its chunks of layers; `timeline` records what
+    ran (pipeline_timeline.py). Returns the step's loss on the last stage (zero elsewhere).
+
+    The messages never block the computation: a forward's input is received one forward ahead
+    (its receive posted before the forward before it computes), every send is started and left
+    to travel. Two neighbours then post the messages between them in the same order (NCCL carries
+    them out in the order posted, and a receive facing a receive would wait for ever): a
+    gradient's receive is posted only when its backward needs it."""
+    timeline = timeline or NoTimeline()
+    m, total = len(micro_batches), torch.zeros((), device=device)
+    saved, backwards = {}, [0] * len(stages)  # (chunk, k) -> (x, y), kept until the backward
+    # The inputs to receive, one per forward of a stage that is not the first, in order: each
+    # `next` posts one. The first is posted now, each next one before the forward before it.
+    receives = (
+        Recv(shape, stages[a.chunk].prev_rank, device)
+        for a in actions
+        if a.kind == "F" and not stages[a.chunk].is_first
+    )
+    receiving = next(receives, None)
+    # The previous send each way is waited for before the next one starts (it is normally done
+    # by then): at most one copy per direction in flight, and all done when the step returns.
+    sending = {"forward": None, "backward": None}
+
+    def send(direction, tensor, peer):
+        with timeline.blocked("send"):
+            if sending[direction] is not None:
+                sending[direction].wait()
+            sending[direction] = Send(tensor, peer)
+
+    for action in actions:
+        stage, k = stages[action.chunk], action.micro_batch
+        if action.kind == "F":
+            x, targets = micro_batches[k]
+            if not stage.is_first:
+                with timeline.blocked("receive"):
+                    x = receiving.wait().requires_grad_()  # a leaf: its gradient goes back
+                receiving = next(receives, None)  # arrives while this forward computes
+            with (
+                timeline.run(action),
+                torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
+            ):
+                y = stage.forward(x)
+                if stage.is_last:
+                    # Divided by the number of micro-batches, as in step 3: the gradients are then
+                    # those of one process with the same accumulation, not m times larger.
+                    y = loss_fn(y, targets) / m
+                    total += y.detach()
+            if not stage.is_last:
+                send("forward", y.detach().float(), stage.next_rank)  # in fp32: the residual
+            saved[action.chunk, k] = (x, y)
+        else:
+            x, y = saved.pop((action.chunk, k))
+            with timeline.blocked("receive", not stage.is_last):
+                grad = None if stage.is_last else Recv(shape, stage.next_rank, device).wait()
+            # Data-parallel gradients are averaged once, during the chunk's last backward.
+            stage.model.require_backward_grad_sync = backwards[action.chunk] == m - 1
+            backwards[action.chunk] += 1
+            with timeline.run(action):
+                grad_input = stage.backward(x, y, grad)
+            if not stage.is_first:
+                send("backward", grad_input, stage.prev_rank)
+    assert not saved and receiving is None, "every forward's backward ran, every input arrived"
+    with timeline.blocked("send", any(sending.values())):
+        for last_send in sending.values():
+            if last_send is not None:
+                last_send.wait()
     return total
 
 
-def clip_grad_norm(model, max_norm, pgm, tied):
-    """Clip by the whole model's gradient norm: each stage's squares (already summed over its
-    tensor-parallel group) are summed over the stages. A tied embedding counts once, as on one
-    device: the last stage's copy is left out of the squares, but clipped by the same factor."""
-    _, squares = grad_squares(tied.counted, pgm.tp_group)
-    dist.all_reduce(squares, group=pgm.pp_group)
-    total_norm = squares.sqrt()
-    params = [p for p in model.parameters() if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
+if __name__ == "__main__":  # the schedules' tables: python pipeline_parallel.py --pp_size 4
+    parser = argparse.ArgumentParser(description="print each stage's actions in every schedule")
+    parser.add_argument("--pp_size", type=int, default=4, help="stages")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=8, help="m")
+    args = parser.parse_args()
+    if args.pp_size < 1 or args.gradient_accumulation_steps < 1:
+        parser.error(
+            f"--pp_size and --gradient_accumulation_steps must be at least 1, got "
+            f"{args.pp_size} and {args.gradient_accumulation_steps}"
+        )
+    print(
+        "\n".join(table(name, args.pp_size, args.gradient_accumulation_steps) for name in SCHEDULES)
+    )

@@ -48,7 +48,7 @@ CALLS = {
     "recv": ("recv", "tensor"),
     "irecv": ("recv", "tensor"),
 }
-AXES = ["tp", "cp", "pp", "dp", "dp_cp"]  # the ProcessGroupManager's `<axis>_group`s
+AXES = ["tp", "pp", "dp"]  # the grid's axes, fastest first: their rows come first, in this order
 KINDS = ["all-reduce", "reduce-scatter", "all-gather", "broadcast", "send", "recv"]  # row order
 
 
@@ -82,14 +82,17 @@ class P2POp(c10d.P2POp):
 
 class CommStats:
     """Counts calls and bytes per (group, kind) while active. `pgm`: the ProcessGroupManager
-    whose groups name the rows (None: only "world" and ranks)."""
+    whose groups (its `<name>_group`s) name the rows (None: only "world" and ranks)."""
 
     def __init__(self, pgm=None):
-        self.groups = []  # (name, group, its global ranks)
-        for axis in AXES:
-            group = getattr(pgm, f"{axis}_group", None)
-            if group is not None:
-                self.groups.append((axis, group, dist.get_process_group_ranks(group)))
+        named = {} if pgm is None else vars(pgm)
+        found = {k.removesuffix("_group"): g for k, g in named.items() if k.endswith("_group")}
+        found = {name: group for name, group in found.items() if group is not None}
+        names = [axis for axis in AXES if axis in found] + [n for n in found if n not in AXES]
+        # (name, group, its global ranks): the grid's axes, then the manager's other groups
+        self.groups = [
+            (name, found[name], dist.get_process_group_ranks(found[name])) for name in names
+        ]
         self.rows = {}  # (group name, kind): {"size", "calls", "bytes"}
         self.saved = {}
 
@@ -154,9 +157,11 @@ class CommStats:
     def as_dict(self):
         """{group: {kind: {"calls", "bytes", "sent"}}}, JSON-able, for the metrics log."""
 
-        def order(key):  # the axes first, as in the grid; then the other groups
+        names = [name for name, _, _ in self.groups]
+
+        def order(key):  # the manager's groups first, as listed in self.groups; then the others
             name, kind = key
-            return AXES.index(name) if name in AXES else len(AXES), name, KINDS.index(kind)
+            return names.index(name) if name in names else len(names), name, KINDS.index(kind)
 
         out = {}
         for (name, kind), row in sorted(self.rows.items(), key=lambda item: order(item[0])):

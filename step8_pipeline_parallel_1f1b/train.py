@@ -1,4 +1,4 @@
-"""Step 8: the 1F1B pipeline schedule beside AFAB; --pp_timeline prints what each stage did.
+"""Step 8: the 1F1B pipeline schedule beside AFAB, one more list of actions (pipeline_parallel.py).
 
 torchrun --nproc_per_node 4 step8_pipeline_parallel_1f1b/train.py --pp_size 4 --pp_engine 1f1b
 """
@@ -9,28 +9,30 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, all_finite, check_restarts, find_checkpoint, warmup_cosine
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
 from flags import add_trace_flag, load_config, make_parser, parse
 from model import LlamaForCausalLM
+from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
+    SCHEDULES,
     PipelineParallel,
-    Schedule,
+    Stage,
     TiedEmbeddings,
     check_pipeline_parallel,
-    clip_grad_norm,
     forward_step,
     keep_stage,
-    train_step_1f1b,
-    train_step_afab,
+    run_schedule,
 )
+from pipeline_timeline import NoTimeline, Timeline
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
     Gather,
     apply_tensor_parallel,
     check_tensor_parallel,
+    clip_grad_norm,
     vocab_parallel_cross_entropy,
 )
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
@@ -69,8 +71,11 @@ def setup_distributed(args):
     device = resolve_device(args.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=args.dist_timeout_s)  # for every group: a stall stops the job
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    if "RANK" in os.environ:  # torchrun's store, each restart's keys apart from the last's
+        store = restart_store(os.environ, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     else:  # plain `python train.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     check_restarts(os.environ)  # torchrun --max_restarts: a restarted group must reconnect
@@ -138,25 +143,24 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
     model.zero_grad(set_to_none=True)
     ### begin Pipeline parallelism
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
-    pipeline_step = train_step_1f1b if args.pp_engine == "1f1b" else train_step_afab
-    schedule = Schedule()
-    total = pipeline_step(model, micro_batches, stage_loss, shape, pgm, device, dtype, schedule)
+    actions = SCHEDULES[args.pp_engine](pgm.pp_size, len(micro_batches))[pgm.pp_rank]
+    timeline = Timeline() if args.pp_timeline is not None else NoTimeline()
+    stages = [Stage(model, pgm)]  # one chunk of layers per rank
+    total = run_schedule(actions, stages, micro_batches, stage_loss, shape, device, dtype, timeline)
     if args.pp_timeline is not None:
-        schedule.report(len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
+        timeline.report(len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
     ### end Pipeline parallelism
     model.finish_gradient_synchronization()
     if args.dp_timeline is not None:
-        model.report_overlap(args.bucket_size_mb, args.dp_timeline)
+        model.timeline.report(args.bucket_size_mb, args.dp_timeline)
     tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm, tied)  # of the whole model
-    if all_finite(total, grad_norm):  # on every rank alike: a non-finite step changes nothing
+    grad_norm = clip_grad_norm(model, args.grad_clip, pgm, ("tp", "pp"), tied.counted)
+    # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
+    facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
+    if facts.finite:  # on every rank alike: a non-finite step changes nothing
         optimizer.step()
         scheduler.step()
-    # The loss lives on the last stage: the sum over the pp group brings it to every rank.
-    dist.all_reduce(total, group=pgm.pp_group)
-    # Each replica saw its own share; the logged loss is the mean over the whole batch.
-    dist.all_reduce(total, group=pgm.dp_group)
-    return total.item() / pgm.dp_size, grad_norm.item()
+    return facts
 
 
 @torch.no_grad()
@@ -224,7 +228,7 @@ def main(argv=None):
     wrapped = torch.compile(stage) if args.compile else stage
     ### begin Data parallelism
     # The wrapper averages gradients over dp; checkpoints save the model itself.
-    timeline = args.dp_timeline is not None
+    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
     wrapped = DataParallelBucket(wrapped, pgm.dp_group, args.bucket_size_mb, timeline)
     ### end Data parallelism
     params = sum(p.numel() for p in model.parameters())
@@ -238,10 +242,10 @@ def main(argv=None):
         run.begin(step, optimizer)
         batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
         with run.communication():  # --comm_stats: what the step sends
-            loss, grad_norm = train_step(
+            facts = train_step(
                 wrapped, batch, optimizer, scheduler, args, device, dtype, pgm, shape, tied
             )
-        run.end(loss, grad_norm, train_loader.position * args.seq_len)
+        run.end(facts, train_loader.position * args.seq_len)
         if run.should_validate():
             run.record["val_loss"] = evaluate(stage, val_loader, args, device, dtype, pgm, shape)
         run.log_step()

@@ -16,18 +16,15 @@ copies one weight: equal at the start, the same summed gradient at every step.
 
 # B micro-batch, T tokens, D hidden, V vocab
 
-import json
-import time
-from collections import deque
-from contextlib import contextmanager
-from pathlib import Path
+import argparse
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tensor_parallel import grad_squares
-from utils import log
+from pipeline_timeline import NoTimeline
+from placement import Held, place, record_of
 
 
 def stage_layers(num_layers, pp_rank, pp_size):
@@ -57,6 +54,9 @@ def keep_stage(model, pgm):
         model.model.embed_tokens = None
     if not pgm.pp_is_last_stage:
         model.model.norm, model.lm_head = None, None
+    for module in model.modules():  # what is left lives on this stage alone
+        for name, _ in module.named_parameters(recurse=False):
+            place(module, name, *record_of(module, name), Held("pp", pgm.pp_rank))
     return model
 
 
@@ -80,7 +80,7 @@ class TiedEmbeddings:
         # tp_rank): tp rank t's copies hold the same vocabulary rows. Every rank creates every
         # group, in the same order, even those it is not part of.
         for ranks in pgm.grid[:, [0, -1], :].transpose(1, 2).reshape(-1, 2).tolist():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=pgm.timeout)
             if pgm.global_rank in ranks:
                 self.group, self.first_rank = group, ranks[0]
         if pgm.pp_is_first_stage:
@@ -120,39 +120,11 @@ class PipelineParallel(nn.Module):
 
 
 ### begin Communication
-def recv_forward(shape, pgm, device):
-    """The previous stage's activations; they will need a gradient, to be sent back."""
-    if pgm.pp_is_first_stage:
-        return None
-    x = torch.empty(shape, device=device)  # activations travel in fp32 (the residual stream)
-    dist.recv(x, src=pgm.pp_prev_rank)
-    return x.requires_grad_()
-
-
-def send_forward(y, pgm):
-    if not pgm.pp_is_last_stage:
-        dist.send(y.detach().float().contiguous(), dst=pgm.pp_next_rank)
-
-
-def recv_backward(shape, pgm, device):
-    """The gradient of this stage's output, from the next stage (none on the last: the loss)."""
-    if pgm.pp_is_last_stage:
-        return None
-    grad = torch.empty(shape, device=device)
-    dist.recv(grad, src=pgm.pp_next_rank)
-    return grad
-
-
-def send_backward(grad, pgm):
-    if not pgm.pp_is_first_stage:
-        dist.send(grad.contiguous(), dst=pgm.pp_prev_rank)
-
-
 class Recv:
     """A receive posted now, filled in the background, waited for when its tensor is needed."""
 
     def __init__(self, shape, peer, device):
-        self.tensor = torch.empty(shape, device=device)
+        self.tensor = torch.empty(shape, device=device)  # activations travel in fp32
         self.work = dist.irecv(self.tensor, src=peer)
 
     def wait(self):
@@ -173,226 +145,181 @@ class Send:
 
 ### end Communication
 def forward_step(model, inputs, shape, pgm, device):
-    """One micro-batch through this stage; returns (this stage's input, its output)."""
-    x = inputs if pgm.pp_is_first_stage else recv_forward(shape, pgm, device)
+    """One micro-batch through this stage, forward only (evaluation, sampling); returns (this
+    stage's input, its output)."""
+    x = inputs if pgm.pp_is_first_stage else Recv(shape, pgm.pp_prev_rank, device).wait()
     y = model(x)
-    send_forward(y, pgm)
+    if not pgm.pp_is_last_stage:
+        Send(y.detach().float(), pgm.pp_next_rank).wait()  # the residual stream, in fp32
     return x, y
 
 
-class Schedule:
-    """What a stage did during one step: the order of its forwards and backwards (the timeline,
-    F1 F2 B1 ...), the peak number of micro-batches whose activations it held at once, and when
-    each ran, the rest of the step being the bubble; within the bubble, when the stage was held
-    up by a send or by a receive (waiting for a neighbour)."""
+### begin Schedules
+class Action(NamedTuple):
+    """One entry of a schedule: the forward ("F") or backward ("B") of micro-batch k through
+    chunk c of this rank's layers (one chunk per rank here; a rank with several holds chunks r,
+    r + pp_size, ... of the pipeline). A schedule that splits the backward would add a kind."""
 
-    def __init__(self):
-        self.timeline, self.in_flight, self.peak_in_flight = [], 0, 0
-        # (kind, micro-batch, start, end) in nanoseconds of the wall clock, which every rank of a
-        # machine shares, so that the stages' spans line up in one picture.
-        self.spans, self.messages, self.start = [], [], time.time_ns()
+    kind: str
+    micro_batch: int
+    chunk: int = 0
 
-    @contextmanager
-    def run(self, kind, k):
-        start = time.time_ns()
-        yield
-        self.spans.append((kind, k, start, time.time_ns()))
-        self.timeline.append(f"{kind}{k + 1}")
-        self.in_flight += 1 if kind == "F" else -1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+    def __str__(self):  # F1 B1 ..., counted from 1; a chunk other than 0 as F1.c1
+        return f"{self.kind}{self.micro_batch + 1}" + (f".c{self.chunk}" if self.chunk else "")
 
-    @contextmanager
-    def blocked(self, kind, active=True):
-        """The stage waits on a "send" or a "receive" (when `active`: a stage with no neighbour
-        on that side does not)."""
-        start = time.time_ns()
-        yield
-        if active:
-            self.messages.append((kind, None, start, time.time_ns()))
 
-    def bubble(self):
-        busy = sum(end - start for _, _, start, end in self.spans)
-        return 1.0 - busy / (time.time_ns() - self.start)
+def afab(pp_size, m):
+    """All forward, then all backward: every stage runs F1 ... Fm, then B1 ... Bm."""
+    forwards = [Action("F", k) for k in range(m)]
+    backwards = [Action("B", k) for k in range(m)]
+    return [forwards + backwards for _ in range(pp_size)]
 
-    def trace_events(self, stage, end):
-        """This stage's step as Chrome trace events (microseconds, one track per stage): a span
-        per forward, backward, blocking send and receive, and one per gap left between them
-        (the loop itself: posting messages, the loss)."""
-        events, previous = [], self.start
-        spans = sorted([*self.spans, *self.messages], key=lambda span: span[2])
-        for kind, k, start, stop in [*spans, ("end", None, end, end)]:
-            if start > previous:
-                events.append(span("other", "other", previous, start, stage))
-            if kind in ("F", "B"):
-                name, category = f"{kind}{k + 1}", "forward" if kind == "F" else "backward"
-                events.append(span(name, category, start, stop, stage, micro_batch=k + 1))
-            elif kind != "end":
-                events.append(span(kind, kind, start, stop, stage))
-            previous = max(previous, stop)
-        return events
 
-    def report(self, m, engine, pgm, trace_path=""):
-        """With --pp_timeline: each stage's timeline, its peak of held micro-batches and its idle
-        fraction, beside the textbook: AFAB holds all m, 1F1B at most pp_size - pp_rank; both
-        idle (p - 1) / (m + p - 1). With a trace path, rank 0 also writes its pipeline's step as
-        a Chrome trace, one track per stage (chrome://tracing and ui.perfetto.dev open it;
-        tools/plot_timeline.py draws it)."""
-        end, p, r = time.time_ns(), pgm.pp_size, pgm.pp_rank
-        expected_peak = m if engine == "afab" else min(p - r, m)
-        log(
-            f"pp stage {r} {engine}: {' '.join(self.timeline)} | held at most "
-            f"{self.peak_in_flight} micro-batches (expected {expected_peak}) | bubble "
-            f"{self.bubble():.2f} (textbook {(p - 1) / (m + p - 1):.2f})",
-            all_ranks=True,
+def one_f_one_b(pp_size, m):
+    """One forward, one backward. Stage r runs pp_size - r - 1 forwards of warm-up before its
+    first backward: the micro-batches that must be on their way for the last stage to start its
+    first backward right after its first forward (never more than there are micro-batches).
+    Then one forward and one backward, the oldest held; then the backwards left."""
+    schedules = []
+    for r in range(pp_size):
+        warmup = min(pp_size - r - 1, m)
+        actions = [Action("F", k) for k in range(warmup)]
+        for k in range(warmup, m):  # steady state
+            actions += [Action("F", k), Action("B", k - warmup)]
+        actions += [Action("B", k) for k in range(m - warmup, m)]  # cool-down
+        schedules.append(actions)
+    return schedules
+
+
+# A schedule: (pp_size, m) -> each rank's list of actions, in the order the rank runs them.
+SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}
+
+
+def held(actions):
+    """The most micro-batches whose activations the actions hold at once (forwards whose
+    backward has not run yet)."""
+    count, peak = 0, 0
+    for action in actions:
+        count += 1 if action.kind == "F" else -1
+        peak = max(peak, count)
+    return peak
+
+
+def table(name, pp_size, m):
+    """One line per stage: the actions of the schedule, and how many micro-batches it holds."""
+    lines = []
+    for r, actions in enumerate(SCHEDULES[name](pp_size, m)):
+        order = " ".join(map(str, actions))
+        lines.append(
+            f"{name.upper() if r == 0 else '':<7}stage {r:<6}{order}   held {held(actions)}"
         )
-        if trace_path:
-            stages = [None] * p
-            dist.all_gather_object(stages, self.trace_events(r, end), group=pgm.pp_group)
-            if dist.get_rank() == 0:
-                info = {"engine": engine, "pp_size": p, "micro_batches": m}
-                write_trace(trace_path, stages, info)
-                log(f"pp timeline of this step: {trace_path}")
+    return "\n".join(lines)
 
 
-def write_trace(path, stages, info):
-    """The stages' events as one Chrome trace: a named track per stage, in order, from time 0."""
-    events = [event for stage in stages for event in stage]
-    origin = min(event["ts"] for event in events)
-    for event in events:
-        event["ts"] -= origin
-    for s in range(len(stages)):
-        events.append(
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
-        )
-        events.append(
-            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
-        )
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as file:
-        json.dump({"traceEvents": events, "otherData": info}, file)
+### end Schedules
+class Stage:
+    """The seam between the executor and the model: one chunk of this rank's layers, its forward
+    and its backward. Its place in the pipeline is chunk * pp_size + pp_rank: the first takes the
+    token ids, the last computes the loss; the stage before it is on the previous rank, the one
+    after on the next, around the ring (the last rank's chunk c feeds rank 0's chunk c + 1)."""
+
+    def __init__(self, model, pgm, chunk=0, chunks=1):
+        self.model = model
+        index = chunk * pgm.pp_size + pgm.pp_rank
+        self.is_first, self.is_last = index == 0, index == chunks * pgm.pp_size - 1
+        self.prev_rank = pgm.pp_group_ids[(pgm.pp_rank - 1) % pgm.pp_size]
+        self.next_rank = pgm.pp_group_ids[(pgm.pp_rank + 1) % pgm.pp_size]
+
+    def forward(self, x):
+        return self.model(x)
+
+    def backward(self, x, y, grad):
+        """Backward from y's gradient (None when y is the loss: it starts from 1). Returns the
+        gradient of the input x, for the stage before (None on the first stage)."""
+        torch.autograd.backward(y, grad_tensors=grad)
+        return None if self.is_first else x.grad
 
 
-def span(name, category, start, end, stage, **args):
-    """A complete ("X") event of the Chrome trace format: nanoseconds in, whole microseconds
-    out, so that spans that touch still touch."""
-    start, end = start // 1000, end // 1000
-    return dict(
-        name=name, cat=category, ph="X", ts=start, dur=end - start, pid=0, tid=stage, args=args
+def run_schedule(actions, stages, micro_batches, loss_fn, shape, device, dtype, timeline=None):
+    """Run this rank's actions in order, `stages` its chunks of layers; `timeline` records what
+    ran (pipeline_timeline.py). Returns the step's loss on the last stage (zero elsewhere).
+
+    The messages never block the computation: a forward's input is received one forward ahead
+    (its receive posted before the forward before it computes), every send is started and left
+    to travel. Two neighbours then post the messages between them in the same order (NCCL carries
+    them out in the order posted, and a receive facing a receive would wait for ever): a
+    gradient's receive is posted only when its backward needs it."""
+    timeline = timeline or NoTimeline()
+    m, total = len(micro_batches), torch.zeros((), device=device)
+    saved, backwards = {}, [0] * len(stages)  # (chunk, k) -> (x, y), kept until the backward
+    # The inputs to receive, one per forward of a stage that is not the first, in order: each
+    # `next` posts one. The first is posted now, each next one before the forward before it.
+    receives = (
+        Recv(shape, stages[a.chunk].prev_rank, device)
+        for a in actions
+        if a.kind == "F" and not stages[a.chunk].is_first
     )
-
-
-def train_step_afab(model, micro_batches, loss_fn, shape, pgm, device, dtype, schedule):
-    """All forward, then all backward. Every stage holds the activations of every micro-batch
-    until its backward. Returns the step's loss on the last stage (zero on the others)."""
-    held, total = [], torch.zeros((), device=device)
-    first, last = pgm.pp_is_first_stage, pgm.pp_is_last_stage
-    for k, (inputs, targets) in enumerate(micro_batches):
-        with schedule.blocked("receive", not first):
-            x = inputs if first else recv_forward(shape, pgm, device)
-        with (
-            schedule.run("F", k),
-            torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
-        ):
-            y = model(x)
-            if pgm.pp_is_last_stage:
-                # Divided by the number of micro-batches, as in step 3: the gradients are then
-                # those of one process with the same accumulation, not m times larger.
-                y = loss_fn(y, targets) / len(micro_batches)
-                total += y.detach()
-        with schedule.blocked("send", not last):
-            send_forward(y, pgm)
-        held.append((x, y))
-    for k, (x, y) in enumerate(held):
-        # Data-parallel gradients are averaged once, during the step's last backward.
-        model.require_backward_grad_sync = k == len(held) - 1
-        with schedule.blocked("receive", not last):
-            grad = recv_backward(shape, pgm, device)
-        with schedule.run("B", k):
-            torch.autograd.backward(y, grad_tensors=grad)
-        with schedule.blocked("send", not first):
-            send_backward(x.grad, pgm)
-    return total
-
-
-def train_step_1f1b(model, micro_batches, loss_fn, shape, pgm, device, dtype, schedule):
-    """One forward, one backward, the communication overlapped with the computation. Returns the
-    step's loss on the last stage (zero elsewhere)."""
-    m, first, last = len(micro_batches), pgm.pp_is_first_stage, pgm.pp_is_last_stage
-    # Stage r runs pp_size - r - 1 forwards before its first backward: the micro-batches that
-    # must be on their way for the last stage to start its first backward right after its first
-    # forward. Never more than there are micro-batches.
-    warmup = min(pgm.pp_size - pgm.pp_rank - 1, m)
-    held, total, backwards = deque(), torch.zeros((), device=device), 0
-    # The next micro-batch's input is received in the background: its receive is posted before
-    # the current forward, so it arrives while this stage computes.
-    next_input = None if first else Recv(shape, pgm.pp_prev_rank, device)
-    # Sends do not block either: the stage computes while its output travels. The previous send
-    # each way is waited for before the next one starts (it is normally done by then), so at most
-    # one copy per direction is in flight, and all are done when the step returns.
-    # Two neighbours post the messages between them in the same order (NCCL carries them out in
-    # the order posted, and a receive facing a receive would wait forever): a gradient's receive
-    # is posted when the backward needs it, after the send of the forward before it.
+    receiving = next(receives, None)
+    # The previous send each way is waited for before the next one starts (it is normally done
+    # by then): at most one copy per direction in flight, and all done when the step returns.
     sending = {"forward": None, "backward": None}
 
     def send(direction, tensor, peer):
-        with schedule.blocked("send"):
+        with timeline.blocked("send"):
             if sending[direction] is not None:
                 sending[direction].wait()
             sending[direction] = Send(tensor, peer)
 
-    def forward(k):
-        nonlocal next_input
-        inputs, targets = micro_batches[k]
-        x = None
-        if not first:
-            with schedule.blocked("receive"):
-                x = next_input.wait().requires_grad_()
-            next_input = Recv(shape, pgm.pp_prev_rank, device) if k + 1 < m else None
-        with (
-            schedule.run("F", k),
-            torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
-        ):
-            y = model(inputs if first else x)
-            if last:
-                y = loss_fn(y, targets) / m  # as in AFAB: the mean over the micro-batches
-                total.add_(y.detach())
-        if not last:
-            send("forward", y.detach().float(), pgm.pp_next_rank)  # activations travel in fp32
-        held.append((k, x, y))
-
-    def backward():
-        nonlocal backwards
-        k, x, y = held.popleft()  # the oldest micro-batch: its gradient comes back first
-        with schedule.blocked("receive", not last):
-            grad = None if last else Recv(shape, pgm.pp_next_rank, device).wait()
-        model.require_backward_grad_sync = backwards == m - 1  # dp sync on the last backward
-        backwards += 1
-        with schedule.run("B", k):
-            torch.autograd.backward(y, grad_tensors=grad)
-        if not first:
-            send("backward", x.grad, pgm.pp_prev_rank)
-
-    for k in range(warmup):  # warm-up: forwards only
-        forward(k)
-    for k in range(warmup, m):  # steady state: one forward, one backward
-        forward(k)
-        backward()
-    for _ in range(warmup):  # cool-down: the backwards left
-        backward()
-    with schedule.blocked("send", any(sending.values())):
+    for action in actions:
+        stage, k = stages[action.chunk], action.micro_batch
+        if action.kind == "F":
+            x, targets = micro_batches[k]
+            if not stage.is_first:
+                with timeline.blocked("receive"):
+                    x = receiving.wait().requires_grad_()  # a leaf: its gradient goes back
+                receiving = next(receives, None)  # arrives while this forward computes
+            with (
+                timeline.run(action),
+                torch.autocast(device.type, dtype, enabled=dtype != torch.float32),
+            ):
+                y = stage.forward(x)
+                if stage.is_last:
+                    # Divided by the number of micro-batches, as in step 3: the gradients are then
+                    # those of one process with the same accumulation, not m times larger.
+                    y = loss_fn(y, targets) / m
+                    total += y.detach()
+            if not stage.is_last:
+                send("forward", y.detach().float(), stage.next_rank)  # in fp32: the residual
+            saved[action.chunk, k] = (x, y)
+        else:
+            x, y = saved.pop((action.chunk, k))
+            with timeline.blocked("receive", not stage.is_last):
+                grad = None if stage.is_last else Recv(shape, stage.next_rank, device).wait()
+            # Data-parallel gradients are averaged once, during the chunk's last backward.
+            stage.model.require_backward_grad_sync = backwards[action.chunk] == m - 1
+            backwards[action.chunk] += 1
+            with timeline.run(action):
+                grad_input = stage.backward(x, y, grad)
+            if not stage.is_first:
+                send("backward", grad_input, stage.prev_rank)
+    assert not saved and receiving is None, "every forward's backward ran, every input arrived"
+    with timeline.blocked("send", any(sending.values())):
         for last_send in sending.values():
             if last_send is not None:
                 last_send.wait()
     return total
 
 
-def clip_grad_norm(model, max_norm, pgm, tied):
-    """Clip by the whole model's gradient norm: each stage's squares (already summed over its
-    tensor-parallel group) are summed over the stages. A tied embedding counts once, as on one
-    device: the last stage's copy is left out of the squares, but clipped by the same factor."""
-    _, squares = grad_squares(tied.counted, pgm.tp_group)
-    dist.all_reduce(squares, group=pgm.pp_group)
-    total_norm = squares.sqrt()
-    params = [p for p in model.parameters() if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return total_norm
+if __name__ == "__main__":  # the schedules' tables: python pipeline_parallel.py --pp_size 4
+    parser = argparse.ArgumentParser(description="print each stage's actions in every schedule")
+    parser.add_argument("--pp_size", type=int, default=4, help="stages")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=8, help="m")
+    args = parser.parse_args()
+    if args.pp_size < 1 or args.gradient_accumulation_steps < 1:
+        parser.error(
+            f"--pp_size and --gradient_accumulation_steps must be at least 1, got "
+            f"{args.pp_size} and {args.gradient_accumulation_steps}"
+        )
+    print(
+        "\n".join(table(name, args.pp_size, args.gradient_accumulation_steps) for name in SCHEDULES)
+    )

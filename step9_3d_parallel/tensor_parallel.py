@@ -18,6 +18,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from placement import Split, grad_norm, init_piece, place, placed_parameters
+
+
+def all_reduce(x, group, op=dist.ReduceOp.SUM):
+    """In place over `group`. A group of one rank (tp_size 1) has nothing to add: no call at all,
+    which on a GPU is one kernel launch and one wait fewer per sublayer."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
 
 class Copy(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce the gradient (the input fed every rank's slice)."""
@@ -29,9 +39,7 @@ class Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce(grad.contiguous(), ctx.group), None
 
 
 class Reduce(torch.autograd.Function):
@@ -39,9 +47,7 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
+        return all_reduce(x.contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -54,6 +60,8 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        if dist.get_world_size(group) == 1:
+            return x
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=-1)
@@ -76,10 +84,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size = dist.get_world_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features))
+        place(self, "weight", Split("tp", 0, self.tp_rank, self.tp_size))  # rows
 
-    def init_parameter(self, name, make_full):
-        full = make_full((self.out_features, self.in_features))
-        return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+    init_parameter = init_piece  # this rank's piece of the full weight
 
     def forward(self, x):
         return F.linear(x, self.weight)  # (.., D) -> (.., F/tp)
@@ -95,10 +102,9 @@ class RowParallelLinear(nn.Module):
         self.tp_size = dist.get_world_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size))
+        place(self, "weight", Split("tp", 1, self.tp_rank, self.tp_size))  # columns
 
-    def init_parameter(self, name, make_full):
-        full = make_full((self.out_features, self.in_features))
-        return full.chunk(self.tp_size, dim=1)[self.tp_rank]
+    init_parameter = init_piece  # this rank's piece of the full weight
 
     def forward(self, x):
         return Reduce.apply(F.linear(x, self.weight), self.group)  # (.., D/tp) -> (.., F)
@@ -116,13 +122,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_per_partition = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.vocab_per_partition
         self.weight = nn.Parameter(torch.empty(self.vocab_per_partition, embedding_dim))
+        place(self, "weight", Split("tp", 0, self.tp_rank, self.tp_size))  # rows: token ids
         # The pad token's row (nn.Embedding's padding_idx) gets no gradient, on the rank holding it.
         local_pad = -1 if padding_idx is None else padding_idx - self.vocab_start
         self.padding_idx = local_pad if 0 <= local_pad < self.vocab_per_partition else None
 
-    def init_parameter(self, name, make_full):
-        full = make_full((self.num_embeddings, self.embedding_dim))
-        return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+    init_parameter = init_piece  # this rank's piece of the full weight
 
     def forward(self, input_ids):
         local = input_ids - self.vocab_start  # (B, T)
@@ -144,7 +149,7 @@ def vocab_parallel_cross_entropy(logits, targets, group):
     # 1. The max over the whole vocabulary keeps exp() from overflowing; it cancels out of the
     #    loss, so it is a constant for autograd.
     top = logits.max(dim=-1, keepdim=True).values.detach()  # (B, T, 1)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    all_reduce(top, group, op=dist.ReduceOp.MAX)
     shifted = logits - top  # (B, T, V/tp)
     # 2. The sum of exponentials over the whole vocabulary.
     sum_exp = Reduce.apply(shifted.exp().sum(dim=-1), group)  # (B, T)
@@ -207,8 +212,8 @@ def apply_tensor_parallel(model, group):
     )
     # f where each replicated input enters column-parallel layers: the norm before attention
     # (q/k/v), the norm before the MLP (gate/up) and the final norm (lm_head). A hook on the norm,
-    # not on the sublayer, so that a sublayer swapped in later (context parallelism's attention)
-    # keeps it, and model.py stays as it is.
+    # not on the sublayer, so that it stays whatever module is swapped in for the attention or the
+    # MLP, and model.py stays as it is.
     norms = [layer.input_layernorm for layer in model.model.layers]
     norms += [layer.post_attention_layernorm for layer in model.model.layers]
     for norm in [*norms, model.model.norm]:
@@ -217,34 +222,13 @@ def apply_tensor_parallel(model, group):
     return model
 
 
-def is_sharded(module):
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
-
-
-def grad_squares(model, group):
-    """The parameters with a gradient, and the sum of their gradients' squares over the whole
-    tensor-parallel group: sharded ones summed across the group, replicated ones (the RMSNorm
-    weights, equal on every rank) counted once."""
-    sharded, replicated, seen = [], [], set()
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if param.grad is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            (sharded if is_sharded(module) else replicated).append(param)
-    device = (sharded + replicated)[0].grad.device
-
-    def squares(params):
-        return sum((p.grad.float().pow(2).sum() for p in params), torch.zeros((), device=device))
-
-    total = squares(sharded)
-    dist.all_reduce(total, group=group)
-    return sharded + replicated, total + squares(replicated)
-
-
-def clip_grad_norm(model, max_norm, group):
-    """Clip by the norm of the whole model's gradient, not of this rank's slices."""
-    params, squares = grad_squares(model, group)
-    total_norm = squares.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+def clip_grad_norm(model, max_norm, pgm, axes=("tp",), counted=None):
+    """Clip by the norm of the whole model's gradient, not of this rank's slices. `axes`: those
+    over which the ranks hold different pieces or parameters; `counted`: the parameters the norm
+    counts (all of `model`'s; a later step leaves out a copy), clipped all the same."""
+    params = [p for p in placed_parameters(model) if p.param.grad is not None]
+    counted = {id(p) for p in (model if counted is None else counted).parameters()}
+    pieces = [(p.param.grad, p.axes) for p in params if id(p.param) in counted]
+    total_norm = grad_norm(pieces, pgm, axes)
+    torch.nn.utils.clip_grads_with_norm_([p.param for p in params], max_norm, total_norm)
     return total_norm

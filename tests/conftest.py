@@ -18,23 +18,10 @@ import torch.multiprocessing as mp
 # No network here: the hub libraries fail at once instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-STEP_MODULES = [
-    "model",
-    "utils",
-    "comm_stats",
-    "flags",
-    "bookkeeping",
-    "hf_import",
-    "process_group_manager",
-    "dataloader",
-    "checkpoint",
-    "tensor_parallel",
-    "data_parallel",
-    "pipeline_parallel",
-    "zero",
-    "context_parallel",
-    "train",
-]
+sys.path.insert(0, str(ROOT / "tools"))
+from steps import step_modules  # noqa: E402
+
+STEP_MODULES = step_modules(ROOT)
 # A model small enough for a 2-core machine; the vocabulary comes from assets/configs/tiny.
 TINY = [
     "--num_hidden_layers", "2", "--hidden_size", "64", "--intermediate_size", "128",
@@ -61,7 +48,6 @@ LAUNCH = [sys.executable, str(ROOT / "tests" / "launch.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
 
 convergence.TORCHRUN = LAUNCH  # the layouts of the convergence tests start the same way

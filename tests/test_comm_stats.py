@@ -166,7 +166,7 @@ def tp_checks(rank, world):
             loss = vocab_parallel_cross_entropy(model(inputs), targets, pgm.tp_group)
         with CommStats(pgm) as backward:
             loss.backward()
-        clip_grad_norm(model, 1.0, pgm.tp_group)
+        clip_grad_norm(model, 1.0, pgm)
     fraction = ring_all_reduce(world)
     # Forward: the embedding's all-reduce, two per block (after attention, after the MLP), then
     # the loss's three of (B, T): the max, the sum of exponentials, the target's logit.
@@ -206,7 +206,7 @@ def dp_checks(rank, world):
             logits = wrapped(inputs)
             (vocab_parallel_cross_entropy(logits, targets, pgm.tp_group) / len(batches)).backward()
         wrapped.finish_gradient_synchronization()
-        clip_grad_norm(wrapped, 1.0, pgm.tp_group)
+        clip_grad_norm(wrapped, 1.0, pgm)
         optimizer.step()
     # Once per step, after the last micro-batch, every gradient in one of the buckets.
     buckets = len(wrapped.bucket_manager.buckets)
@@ -220,8 +220,8 @@ def test_data_parallel_all_reduces_the_gradients_once(tmp_path):
     spawn("step6_data_parallel_bucket", dp_checks, 2, tmp_path, timeout=60)
 
 
-def zero_step(pgm, group, inputs, targets, cp=False):
-    """One step of steps 10-11 at pp 1: the sharded bucketed wrapper over `group`; returns the
+def zero_step(pgm, axes, inputs, targets, cp=False):
+    """One step of steps 10-11 at pp 1: the sharded bucketed wrapper over `axes`; returns the
     ledgers of the whole step, of its forward and of its backward, and the model."""
     from comm_stats import CommStats
     from pipeline_parallel import PipelineParallel, TiedEmbeddings
@@ -230,7 +230,7 @@ def zero_step(pgm, group, inputs, targets, cp=False):
 
     model = build(pgm, cp=cp, stage=True)
     tied = TiedEmbeddings(model, pgm)
-    wrapped = DataParallelZero1(PipelineParallel(model), group, 0.02, tied.weight)
+    wrapped = DataParallelZero1(PipelineParallel(model), pgm, axes, 0.02, tied.weight)
     optimizer = torch.optim.AdamW(wrapped.shard(list(model.parameters())))
     with CommStats(pgm) as step:
         wrapped.zero_grad()
@@ -253,13 +253,13 @@ def zero_checks(rank, world):
 
     pgm = ProcessGroupManager(tp_size=1, pp_size=1, dp_size=world)
     [(inputs, targets)] = micro_batches(world)[rank::world]
-    step, _, _, model, buckets = zero_step(pgm, pgm.dp_group, inputs, targets)
+    step, _, _, model, buckets = zero_step(pgm, ("dp",), inputs, targets)
     # The tiny model's parameters have even sizes: the buckets need no padding at dp 2. Each
     # bucket is reduce-scattered, then all-gathered, each carrying every gradient once; and the
-    # gradient norm's sums of squares (tensor-parallel slices, replicated) are two numbers.
+    # gradient norm's sum of squares is one number.
     size = grad_bytes(model)
     want = {
-        "all-reduce": row(1, 2 * FP32, ring_all_reduce(world)),
+        "all-reduce": row(1, FP32, ring_all_reduce(world)),
         "reduce-scatter": row(buckets, size, ring_shard(world)),
         "all-gather": row(buckets, size, ring_shard(world)),
     }
@@ -282,7 +282,7 @@ def pp_checks(rank, world):
     import pipeline_parallel as pp
     from comm_stats import CommStats
     from process_group_manager import ProcessGroupManager
-    from tensor_parallel import vocab_parallel_cross_entropy
+    from tensor_parallel import clip_grad_norm, vocab_parallel_cross_entropy
 
     pgm = ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
     m = 3
@@ -292,13 +292,14 @@ def pp_checks(rank, world):
     def step(engine, ledger):
         stage = pp.PipelineParallel(build(pgm, stage=True))
         tied = pp.TiedEmbeddings(stage.model, pgm)
+        actions = pp.SCHEDULES[engine](world, m)[rank]
         with ledger:
-            engine(stage, batches, loss_fn, (B, T, D), pgm, torch.device("cpu"), torch.float32,
-                   pp.Schedule())  # fmt: skip
-            pp.clip_grad_norm(stage, 1.0, pgm, tied)
+            pp.run_schedule(actions, [pp.Stage(stage, pgm)], batches, loss_fn, (B, T, D),
+                            torch.device("cpu"), torch.float32)  # fmt: skip
+            clip_grad_norm(stage, 1.0, pgm, ("tp", "pp"), tied.counted)
         return [p.grad for p in stage.parameters()]
 
-    for engine in [pp.train_step_afab, pp.train_step_1f1b]:
+    for engine in ["afab", "1f1b"]:
         stats = CommStats(pgm)
         grads = step(engine, stats)
         # The ledger changes no number: the same gradients, to the bit, as without it.
@@ -312,7 +313,7 @@ def pp_checks(rank, world):
             "send": row(m, m * BTD, 1),
             "recv": row(m, m * BTD, 0),
         }
-        assert stats.as_dict()["pp"] == want, (engine.__name__, stats.table())
+        assert stats.as_dict()["pp"] == want, (engine, stats.table())
         sends_only_on(stats, {("pp", "send"), ("pp", "all-reduce")})
 
 
@@ -330,7 +331,7 @@ def cp_checks(rank, world):
     pgm = ProcessGroupManager(tp_size=1, pp_size=1, dp_size=1, cp_size=world)
     [(inputs, targets)] = micro_batches(1)
     mine = [split_sequence(x, pgm.cp_rank, world) for x in (inputs, targets)]
-    step, forward, backward, model, buckets = zero_step(pgm, pgm.dp_cp_group, *mine, cp=True)
+    step, forward, backward, model, buckets = zero_step(pgm, ("dp", "cp"), *mine, cp=True)
     block = B * K * (T // world) * (D // H) * FP32  # one K or V block: (B, K, T/cp, d)
     # Forward: at each of cp-1 steps of the ring a layer passes its K and V blocks on.
     blocks = L * 2 * (world - 1)
@@ -344,13 +345,11 @@ def cp_checks(rank, world):
     # The cp ranks hold the same weights: the gradients are averaged, the optimizer sharded, over
     # dp x cp, with the bytes of data parallelism.
     size, half = grad_bytes(model), ring_shard(world)
-    want = {
-        "all-reduce": row(1, 2 * FP32, ring_all_reduce(world)),  # the norm's sums of squares
-        "reduce-scatter": row(buckets, size, half),
-        "all-gather": row(buckets, size, half),
-    }
+    want = {"reduce-scatter": row(buckets, size, half), "all-gather": row(buckets, size, half)}
     assert step.as_dict()["dp_cp"] == want, step.table()
-    sends_only_on(step, {("cp", "send"), *(("dp_cp", kind) for kind in want)})
+    # The norm's sum of squares, over the axes of more than one rank of dp x cp: here cp alone.
+    assert step.as_dict()["cp"]["all-reduce"] == row(1, FP32, ring_all_reduce(world))
+    sends_only_on(step, {("cp", "send"), ("cp", "all-reduce"), *(("dp_cp", k) for k in want)})
 
 
 def test_context_parallel_passes_key_value_blocks_around_the_ring(tmp_path):

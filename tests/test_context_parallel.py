@@ -140,6 +140,26 @@ def test_cuda_kernel_calls_match_their_schemas(kernel):
         assert [x.shape for x in grads] == [q.shape, k.shape, k.shape]
 
 
+def test_a_kernel_of_another_signature_is_refused(monkeypatch):
+    """The private kernels' schemas are checked before any is called: this torch's match the
+    calls; a kernel that takes other arguments, or gives fewer results than are read, is refused
+    with its name and the torch version."""
+    context_parallel = import_step(STEP, "context_parallel")
+    context_parallel.check_kernels()
+    name = "_scaled_dot_product_flash_attention_for_cpu"
+    arguments, results = context_parallel.KERNELS[name]
+    version = re.escape(torch.__version__)
+    for wrong in [
+        ([arguments[0], arguments[2], arguments[1], *arguments[3:]], results),
+        (arguments, 3),
+    ]:
+        monkeypatch.setitem(context_parallel.KERNELS, name, wrong)
+        with pytest.raises(
+            ValueError, match=rf"calls aten\.{name}\(.* but torch {version} defines"
+        ):
+            context_parallel.check_kernels()
+
+
 # ---- ring attention against F.scaled_dot_product_attention on one process ----------------------
 
 

@@ -81,14 +81,17 @@ def assert_grads(got, want, what):
 
 
 def grads_worker(rank, world, accumulation):
-    from data_parallel import DataParallelBucket, DataParallelNaive
+    from data_parallel import DataParallelBucket
+    from overlap_timeline import OverlapTimeline
 
+    DataParallelNaive = import_step(NAIVE, "data_parallel").DataParallelNaive  # step 6 replaced it
     group = dist.group.WORLD
     want = reference_grads(accumulation, world)
     results = {}
     for name, wrapper in [("naive", DataParallelNaive), ("bucket", DataParallelBucket)]:
         model = tiny_model()
-        kwargs = {"bucket_size_mb": 0.01} if name == "bucket" else {}
+        timeline = OverlapTimeline()  # counts the buckets launched before backward ended
+        kwargs = {"bucket_size_mb": 0.01, "timeline": timeline} if name == "bucket" else {}
         wrapped = wrapper(model, group, **kwargs)
         sync = lambda flag, w=wrapped: setattr(w, "require_backward_grad_sync", flag)
         run_dp(wrapped, rank, world, accumulation, sync)
@@ -98,7 +101,7 @@ def grads_worker(rank, world, accumulation):
         if name == "bucket":
             assert len(wrapped.bucket_manager.buckets) > 1
             # Overlap: buckets started their all-reduce from inside backward, before it ended.
-            assert wrapped.launched_in_backward >= 1
+            assert timeline.launched_in_backward >= 1
     assert_grads(results["bucket"], results["naive"], "bucket vs naive")
 
     # PyTorch's DistributedDataParallel, with no_sync on the accumulation micro-batches.

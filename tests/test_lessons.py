@@ -22,7 +22,6 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*")
 # A flag a README names as a later step's ("from step 8's `--pp_timeline`"): the step that has it.
 LATER = {
     "step2_process_group_manager": {"--cp_size": "step11_context_parallel"},
-    "step7_pipeline_parallel_afab": {"--pp_timeline": "step8_pipeline_parallel_1f1b"},
 }
 
 

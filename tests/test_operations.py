@@ -30,8 +30,9 @@ from conftest import (
 STEP = "step9_3d_parallel"
 STEPS = 20
 SLURM = ROOT / "tools" / "slurm" / "train.sbatch"
-# torchrun shares its store with the workers unless told not to, and a restarted group then reads
-# the addresses of the dead one (the Slurm script sets the same).
+# torchrun shares its store with the workers unless told not to, and a restarted group of several
+# nodes then reads the addresses of the dead one (the Slurm script sets the same); on one node each
+# try keeps its keys apart (test_torchrun_restarts_after_a_killed_worker runs without it).
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
@@ -59,8 +60,9 @@ def reference(tmp_path_factory, data):
     return read_log(log_file)
 
 
-def launch(args, nproc=2, launcher_flags=()):
-    """torchrun in the background, its output in a pipe."""
+def launch(args, nproc=2, launcher_flags=(), unset=()):
+    """torchrun in the background, its output in a pipe; `unset`: variables taken out of its
+    environment."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher_flags]
     command += [f"--nproc_per_node={nproc}", str(ROOT / STEP / "train.py"), *args]
     return subprocess.Popen(
@@ -68,7 +70,7 @@ def launch(args, nproc=2, launcher_flags=()):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **ENV},
+        env={k: v for k, v in {**os.environ, **ENV}.items() if k not in unset},
         cwd=ROOT,
     )
 
@@ -130,13 +132,19 @@ def test_torchrun_restarts_after_a_killed_worker(tmp_path, data, reference):
     """kill -9 of rank 1 mid-run: torchrun stops rank 0, starts both again, and --resume continues
     from the latest checkpoint (every 3 steps); the steps the first try logged after that
     checkpoint (none if the kill came right after a save) are trained and logged again, with the
-    same numbers."""
+    same numbers. torchrun shares its store with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    unset): the second try must not read the first one's addresses from it."""
     save, log_file = tmp_path / "ckpt", tmp_path / "log.jsonl"
     extra = ["--dp_size", "2", "--save_dir", str(save), "--save_every", "3", "--resume"]
-    process = launch(train_args(data, log_file, *extra), launcher_flags=["--max_restarts", "1"])
+    process = launch(
+        train_args(data, log_file, *extra),
+        launcher_flags=["--max_restarts", "2"],
+        unset=["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"],
+    )
     wait_for_steps(log_file, 5, process)
     os.kill(worker(process, 1), signal.SIGKILL)
     output = finish(process)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in output  # no warning on one node
     resumed = re.findall(r"resumed from \S+ at step (\d+)", output)
     assert len(resumed) == 1 and int(resumed[0]) % 3 == 0, output
     records = read_log(log_file)
@@ -149,6 +157,51 @@ def test_torchrun_restarts_after_a_killed_worker(tmp_path, data, reference):
     assert_same_training(list(last_of_each.values()), reference)
     for record in records:  # the first try of a step logged what the second logged
         assert record["loss"] == pytest.approx(last_of_each[record["step"]]["loss"], rel=1e-6)
+
+
+# One rank of a try: setup_distributed as torchrun's worker, then an all-reduce over the world.
+TRY = """import sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import train
+time.sleep(float(sys.argv[2]))
+args = train.parse_args(["--dp_size", "2", "--dist_timeout_s", "15"])
+pgm, device = train.setup_distributed(args)
+total = torch.ones(1)
+dist.all_reduce(total)
+print("sum", total.item())
+"""
+
+
+def test_a_restarted_try_does_not_read_the_last_ones_addresses(tmp_path):
+    """The store held by the test, as torchrun's agent holds it, shared by two tries of two ranks:
+    the second try's rank 1 comes 3 s late, and its rank 0 must wait for it, not connect to the
+    address that the first try's rank 1 left in the store (which of two gloo ranks connects to
+    the other depends on their ports: half the time the stale address goes unread)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WORLD_SIZE": "2"}
+    env |= {"LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    env |= {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    before = set()
+    for count, delays in [(0, [0, 0]), (1, [0, 3])]:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", TRY, str(ROOT / STEP), str(delay)],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+                | {"TORCHELASTIC_RESTART_COUNT": str(count)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r, delay in enumerate(delays)
+        ]
+        for process in ranks:
+            output = process.communicate(timeout=120)[0]
+            assert process.returncode == 0 and "sum 2.0" in output, (count, output)
+        # What a race may hide, the keys show: this try wrote its own, under its own prefix.
+        written = set(store.list_keys()) - before
+        assert written and all(key.startswith(f"try{count}/") for key in written), written
+        before |= written
 
 
 def test_a_crash_mid_save_leaves_the_latest_checkpoint_whole(tmp_path, monkeypatch):

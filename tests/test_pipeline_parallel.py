@@ -39,6 +39,7 @@ def schedule_worker(rank, world, cases):
 def check_schedule(rank, world, pgm, engine, layers, m):
     import pipeline_parallel as pp
     from model import LlamaForCausalLM
+    from pipeline_timeline import Timeline
 
     reference = LlamaForCausalLM(config(layers))
     reference.init_weights(seed=9)
@@ -52,12 +53,12 @@ def check_schedule(rank, world, pgm, engine, layers, m):
     model.init_weights(seed=9)
     expected_layers = [str(i) for i in pp.stage_layers(layers, rank, world)]
     assert list(model.model.layers.keys()) == expected_layers
-    stage = pp.PipelineParallel(model)
-    step = pp.train_step_1f1b if engine == "1f1b" else pp.train_step_afab
+    stages = [pp.Stage(pp.PipelineParallel(model), pgm)]
+    actions = pp.SCHEDULES[engine](world, m)[rank]
     loss_fn = lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    schedule = pp.Schedule()
-    total = step(stage, batches, loss_fn, (2, 8, 32), pgm, torch.device("cpu"), torch.float32,
-                 schedule)  # fmt: skip
+    schedule = Timeline()
+    total = pp.run_schedule(actions, stages, batches, loss_fn, (2, 8, 32), torch.device("cpu"),
+                            torch.float32, schedule)  # fmt: skip
     if pgm.pp_is_last_stage:
         torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-6, atol=1e-6)
     for name, param in model.named_parameters():
@@ -182,11 +183,12 @@ def test_timeline_flag_prints_each_stage_and_writes_a_trace(tmp_path, engine):
     check_pipeline_trace(json.loads(trace.read_text()), printed, engine=engine)
 
 
-def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
+@pytest.mark.parametrize("engine", ["1f1b", "afab"])
+def test_neighbours_post_their_messages_in_the_same_order(monkeypatch, engine):
     """NCCL runs the sends and receives between two ranks in the order they were posted, so two
     neighbours must post theirs in the same order (each send facing its receive), or both wait for
     ever. gloo matches them in any order, so the tests above cannot see it. Here each stage runs
-    its 1F1B schedule alone, sends and receives recorded instead of carried out, and the record of
+    its schedule alone, sends and receives recorded instead of carried out, and the record of
     every pair of neighbours must mirror each other."""
     from types import SimpleNamespace
 
@@ -221,13 +223,11 @@ def test_1f1b_neighbours_post_their_messages_in_the_same_order(monkeypatch):
         posted = {}  # (rank, peer) -> "send" and "recv", in the order posted
         for rank in range(p):
             monkeypatch.setattr(pp, "dist", Recorder(rank, posted))
-            pgm = SimpleNamespace(
-                pp_rank=rank, pp_size=p, pp_is_first_stage=rank == 0,
-                pp_is_last_stage=rank == p - 1, pp_prev_rank=rank - 1, pp_next_rank=rank + 1,
-            )  # fmt: skip
+            pgm = SimpleNamespace(pp_rank=rank, pp_size=p, pp_group_ids=list(range(p)))
             batches = [(torch.ones(1, 3), None) for _ in range(m)]
-            pp.train_step_1f1b(Scale(), batches, lambda y, _: y.sum(), (1, 3), pgm,
-                               torch.device("cpu"), torch.float32, pp.Schedule())  # fmt: skip
+            actions = pp.SCHEDULES[engine](p, m)[rank]
+            pp.run_schedule(actions, [pp.Stage(Scale(), pgm)], batches, lambda y, _: y.sum(),
+                            (1, 3), torch.device("cpu"), torch.float32)  # fmt: skip
         for rank in range(p - 1):
             ours, theirs = posted[(rank, rank + 1)], posted[(rank + 1, rank)]
             assert len(ours) == 2 * m, (p, m, rank, ours)
@@ -259,11 +259,11 @@ def check_pipeline_trace(trace, timelines, engine):
         assert {e["cat"] for e in row} <= {"forward", "backward", "send", "receive", "other"}
         receives = sum(e["cat"] == "receive" for e in row)
         sends = sum(e["cat"] == "send" for e in row)
-        # Between two stages: m messages each way. 1F1B's sends do not block, except to wait
-        # for the one before and, once, for the last ones at the end of the step.
+        # Between two stages: m messages each way. Sends do not block, except to wait for the
+        # one before and, once, for the last ones at the end of the step.
         neighbours = (s > 0) + (s < stages - 1)
         assert receives == m * neighbours
-        assert sends == m * neighbours + (engine == "1f1b")
+        assert sends == m * neighbours + 1
         rows.append(row)
     for earlier, later in pairwise(rows):
         forward = next(e for e in earlier if e["name"] == "F1")

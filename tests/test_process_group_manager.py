@@ -1,8 +1,11 @@
-"""The (dp, pp, tp) grid: every rank's coordinates and groups, and the refusal of bad sizes."""
+"""The (dp, pp, tp) grid: every rank's coordinates and groups, and the refusal of bad sizes;
+step 11's (dp, pp, cp, tp) grid: its groups from the names of their axes."""
 
 import time
+from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import CLEAN_FORK, import_step, run_step, spawn
 
@@ -108,3 +111,91 @@ def test_a_hang_names_where_each_rank_waits(tmp_path):
     rank0, rank1 = str(error.value).split("rank 1:")
     assert "in barrier" in rank0 and "waits_at_a_barrier_alone" in rank0
     assert "in barrier" not in rank1 and "waits_at_a_barrier_alone" in rank1
+
+
+class RecordingDist:
+    """torch.distributed for one rank of `world`, without processes: new_group records the ranks
+    and options of every group created and returns its index in that record."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world, self.created = rank, world, []
+
+    def get_rank(self):
+        return self.rank
+
+    def get_world_size(self):
+        return self.world
+
+    def new_group(self, ranks, **options):
+        self.created.append((list(ranks), options))
+        return len(self.created) - 1
+
+
+def todays_groups(dp, pp, cp, tp):
+    """The reference: the grid laid out by hand and each group's rows by a permute written for
+    its axis, one row per group, in the order of creation."""
+    grid = torch.arange(dp * pp * cp * tp).view(dp, pp, cp, tp)
+    rows = {
+        "tp": grid.view(-1, tp),
+        "pp": grid.permute(0, 2, 3, 1).reshape(-1, pp),
+        "dp": grid.permute(1, 2, 3, 0).reshape(-1, dp),
+        "cp": grid.permute(0, 1, 3, 2).reshape(-1, cp),
+        "dp_cp": grid.permute(1, 3, 0, 2).reshape(-1, dp * cp),
+    }
+    return grid, {axis: r.tolist() for axis, r in rows.items()}
+
+
+def built_by_names(step, rank, dp, pp, cp, tp):
+    """Step `step`'s ProcessGroupManager of `rank`, its groups built from the axis names by its
+    own code, with RecordingDist; and that RecordingDist."""
+    module = import_step(step, "process_group_manager")
+    module.dist = fake = RecordingDist(rank, dp * pp * cp * tp)
+    sizes = {"tp_size": tp, "pp_size": pp, "dp_size": dp} | ({"cp_size": cp} if cp > 1 else {})
+    return module.ProcessGroupManager(**sizes, timeout=timedelta(seconds=7)), fake
+
+
+# Sizes that differ from each other: a group along the wrong axis cannot pass for the right one.
+SHAPES = [(2, 3, 1, 4), (3, 1, 1, 2), (2, 2, 3, 1), (1, 3, 2, 2), (3, 2, 2, 1), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("dp, pp, cp, tp", SHAPES)
+def test_groups_from_axis_names_are_the_permuted_grids(dp, pp, cp, tp):
+    """Steps 2 and 11 build, from the names of the axes, the rank layout and the groups that a
+    permute of the grid written by hand for each axis gives, every group with the timeout."""
+    grid, rows = todays_groups(dp, pp, cp, tp)
+    steps = ["step11_context_parallel"] + (["step2_process_group_manager"] if cp == 1 else [])
+    for step in steps:
+        axes = ["tp", "pp", "dp"] + (["cp", "dp_cp"] if step.startswith("step11") else [])
+        orders = set()  # the order of creation, one per rank
+        for rank in range(grid.numel()):
+            pgm, fake = built_by_names(step, rank, dp, pp, cp, tp)
+            orders.add(str([ranks for ranks, _ in fake.created]))
+            where = (grid == rank).nonzero()[0].tolist()
+            assert [pgm.dp_rank, pgm.pp_rank, getattr(pgm, "cp_rank", 0), pgm.tp_rank] == where
+            assert [pgm.dp_size, pgm.pp_size, getattr(pgm, "cp_size", 1), pgm.tp_size] == [
+                dp,
+                pp,
+                cp,
+                tp,
+            ]
+            created = sorted(ranks for ranks, _ in fake.created)
+            assert created == sorted(r for axis in axes for r in rows[axis]), (step, rank)
+            assert all(options == {"timeout": timedelta(seconds=7)} for _, options in fake.created)
+            for axis in axes:
+                mine = next(ranks for ranks in rows[axis] if rank in ranks)
+                assert getattr(pgm, f"{axis}_group_ids") == mine, (step, rank, axis)
+                assert fake.created[getattr(pgm, f"{axis}_group")][0] == mine, (step, rank, axis)
+            if step.startswith("step11"):
+                assert pgm.group("cp", "dp") == (pgm.dp_cp_group, pgm.dp_cp_group_ids)
+            assert pgm.group("tp") == (pgm.tp_group, pgm.tp_group_ids)
+            assert len(fake.created) == sum(len(rows[axis]) for axis in axes)  # once each
+        assert len(orders) == 1, step  # every rank created every group in the same order
+
+
+def test_an_unknown_axis_is_refused():
+    pgm, fake = built_by_names("step11_context_parallel", 0, 2, 1, 2, 1)
+    created = len(fake.created)
+    for axes in [("ep",), ("dp", "ep"), ()]:
+        with pytest.raises(ValueError, match="its axes are dp, pp, cp, tp"):
+            pgm.group(*axes)
+    assert len(fake.created) == created

@@ -217,8 +217,10 @@ def model_size(args):
 def argv(command, args):
     script = str(ROOT / command.script)
     if command.tokens[0] == "torchrun":
-        launcher = [f"--{key}={value}" for key, value in command.launcher.items()]
         # torchrun's start on one node, the ranks forked from one import of the libraries.
+        # --max_restarts only acts when a worker dies, which a run of the README's does not.
+        flags = {k: v for k, v in command.launcher.items() if k != "max_restarts"}
+        launcher = [f"--{key}={value}" for key, value in flags.items()]
         head = [*LAUNCH, *launcher]
     else:
         head = [*LAUNCH, "--python"]  # as python runs it, forked from the same imports

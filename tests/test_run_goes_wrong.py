@@ -171,12 +171,16 @@ def test_a_stalled_rank_stops_the_job_with_one_message(tmp_path):
 
 
 def test_restarts_that_cannot_reconnect_are_warned_about(capsys):
+    """Only across nodes: on one node each try's keys have a prefix of their own."""
     bookkeeping = import_step(S3, "bookkeeping")
-    bookkeeping.check_restarts({"TORCHELASTIC_MAX_RESTARTS": "3"})
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().out
+    one_node = {"TORCHELASTIC_MAX_RESTARTS": "3", "LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "8"}
+    for several in [{"WORLD_SIZE": "16"}, {"GROUP_WORLD_SIZE": "2"}]:
+        bookkeeping.check_restarts({**one_node, **several})
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().out, several
     for environ in [
-        {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        {"TORCHELASTIC_MAX_RESTARTS": "0"},
+        {**one_node, "WORLD_SIZE": "16", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        {**one_node, "WORLD_SIZE": "16", "TORCHELASTIC_MAX_RESTARTS": "0"},
+        one_node,
         {},
     ]:
         bookkeeping.check_restarts(environ)

@@ -6,6 +6,7 @@ the files it declares below, and the steps have no gaps.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,11 +40,23 @@ STEP_CHANGES = {
         "train.py",
         "README.md",
     },
-    "step4_tensor_parallel": {"tensor_parallel.py", "checkpoint.py", "train.py", "README.md"},
+    "step4_tensor_parallel": {
+        "tensor_parallel.py",
+        "placement.py",
+        "checkpoint.py",
+        "train.py",
+        "README.md",
+    },
     "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
-    "step6_data_parallel_bucket": {"data_parallel.py", "train.py", "README.md"},
+    "step6_data_parallel_bucket": {
+        "data_parallel.py",
+        "overlap_timeline.py",
+        "train.py",
+        "README.md",
+    },
     "step7_pipeline_parallel_afab": {
         "pipeline_parallel.py",
+        "pipeline_timeline.py",
         "checkpoint.py",
         "train.py",
         "README.md",
@@ -56,7 +69,6 @@ STEP_CHANGES = {
         "process_group_manager.py",
         "dataloader.py",
         "pipeline_parallel.py",
-        "zero.py",
         "checkpoint.py",
         "train.py",
         "README.md",
@@ -363,7 +375,13 @@ FROZEN_FROM = {
     "utils.py": "step3_dataloader",
     "flags.py": "step3_dataloader",
     "bookkeeping.py": "step3_dataloader",
+    "tensor_parallel.py": "step4_tensor_parallel",
+    "placement.py": "step4_tensor_parallel",
+    "data_parallel.py": "step6_data_parallel_bucket",
+    "overlap_timeline.py": "step6_data_parallel_bucket",
+    "pipeline_timeline.py": "step7_pipeline_parallel_afab",
     "hf_import.py": "step9_3d_parallel",
+    "zero.py": "step10_zero1",
 }
 
 
@@ -382,6 +400,53 @@ def test_frozen_modules_identical_from_their_step():
             for s in later
             if not (s / name).is_file() or (s / name).read_bytes() != want
         ]
+    assert not problems, "\n".join(problems)
+
+
+# The names a step brings in: its axis (ranks, sizes and groups carry it as prefix) and the files
+# it writes. A module never names what a later step brings, so that plumbing written once (a frozen
+# module) is not taught each new axis: where it must know, the step tells it (Run's `replicas`,
+# the checkpoint files a step calls its own). Step 2's grid has the dp, pp and tp axes.
+LATER_NAMES = {
+    2: [r"\b(tp|pp|dp)_", r"tensor.parallel", r"pipeline", r"data.parallel"],
+    4: [r"-of-(\d|\{)"],  # a checkpoint's shards, named after the layout
+    9: [r"index\.json"],  # the checkpoint's index of slices
+    10: [r"ZeRO", r"\bzero1\b"],
+    11: [r"\bcp\b", r"\bcp_", r"(?i)context.?parallel"],
+}
+# model.py is written once, in step 1, for every step: it says why it reads head counts from
+# tensor shapes (tensor parallelism) and runs any slice of its layers (pipeline parallelism).
+NAMES_ALLOWED = {("model.py", 2)}
+
+
+def later_names(steps):
+    """{step number: the patterns of what it brings}: LATER_NAMES, the modules it adds (imported
+    or named as a file), and the step itself ("step 11")."""
+    names = {number: list(patterns) for number, patterns in LATER_NAMES.items()}
+    seen = set()
+    for step in steps:
+        number, modules = step_number(step), {p.stem for p in step.glob("*.py")}
+        names.setdefault(number, []).append(rf"\bsteps? {number}\b")
+        for stem in sorted(modules - seen) if seen else []:
+            names[number].append(rf"\b{stem}\.py\b|\bimport {stem}\b|\bfrom {stem} import\b")
+        seen |= modules
+    return names
+
+
+def test_modules_name_nothing_of_a_later_step():
+    steps, problems = real_steps(), []
+    names = later_names(steps)
+    for step in steps:
+        for path in sorted(step.glob("*.py")):
+            for line_number, line in enumerate(path.read_text().splitlines(), 1):
+                problems += [
+                    f"{step.name}/{path.name}:{line_number} names step {later}'s "
+                    f"{re.search(pattern, line).group(0)!r}: {line.strip()}"
+                    for later, patterns in names.items()
+                    if later > step_number(step) and (path.name, later) not in NAMES_ALLOWED
+                    for pattern in patterns
+                    if re.search(pattern, line)
+                ]
     assert not problems, "\n".join(problems)
 
 

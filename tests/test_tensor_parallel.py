@@ -107,6 +107,7 @@ def model_worker(rank, world, tied):
     from transformers import LlamaConfig
 
     from model import LlamaForCausalLM
+    from process_group_manager import ProcessGroupManager
     from tensor_parallel import (
         Gather,
         apply_tensor_parallel,
@@ -114,7 +115,8 @@ def model_worker(rank, world, tied):
         vocab_parallel_cross_entropy,
     )
 
-    group = dist.group.WORLD
+    pgm = ProcessGroupManager(tp_size=world, pp_size=1, dp_size=1)
+    group = pgm.tp_group
     config = LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
@@ -146,7 +148,7 @@ def model_worker(rank, world, tied):
             full = full.chunk(world, dim)[rank]
         close(param.grad, full, f"grad of {name}")
     norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-    close(clip_grad_norm(model, 1e9, group), norm_ref, "grad norm")
+    close(clip_grad_norm(model, 1e9, pgm), norm_ref, "grad norm")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

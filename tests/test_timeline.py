@@ -1,5 +1,5 @@
 """The pictures and measures of a run: FLOP/s and MFU on the step line, --profile's traces, the
-pipeline Schedule's Chrome trace and tools/plot_timeline.py that draws it."""
+pipeline Timeline's Chrome trace and tools/plot_timeline.py that draws it."""
 
 import json
 import subprocess
@@ -41,18 +41,19 @@ def test_profile_refuses_a_run_too_short_to_record():
 
 
 def schedule_trace(tmp_path):
-    """A trace written as Schedule.report writes it, from two Schedules run in this process: stage
+    """A trace written as Timeline.report writes it, from two Timelines run in this process: stage
     0 runs F1 F2 B1 B2, stage 1 F1 B1 F2 B2; before every forward or backward, a pause of 2 ms,
     spent blocked on a receive before the forwards and on nothing (the loop) before the
     backwards, and after each backward 2 ms blocked on a send."""
     pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
+    recorder = import_step(ONE_F_ONE_B, "pipeline_timeline")
     stages = []
     for order in (["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]):
-        schedule = pp.Schedule()
+        schedule = recorder.Timeline()
         for item in order:
             with schedule.blocked("receive", active=item[0] == "F"):
                 time.sleep(0.002)
-            with schedule.run(item[0], int(item[1])):
+            with schedule.run(pp.Action(item[0], int(item[1]))):
                 time.sleep(0.003)
             with schedule.blocked("send", active=item[0] == "B"):
                 if item[0] == "B":
@@ -60,7 +61,7 @@ def schedule_trace(tmp_path):
         assert schedule.peak_in_flight == (2 if order[1] == "F1" else 1)
         stages.append(schedule.trace_events(len(stages), time.time_ns()))
     path = tmp_path / "trace.json"
-    pp.write_trace(path, stages, {"engine": "test", "pp_size": 2, "micro_batches": 2})
+    recorder.write_trace(path, stages, {"engine": "test", "pp_size": 2, "micro_batches": 2})
     return path
 
 
@@ -96,7 +97,7 @@ def overlap_trace(tmp_path):
     """A dp trace written the way train.py writes it, from an OverlapTimeline fed by hand: a
     backward of 33 ms whose two buckets are launched at 2 and 25 ms and take 20 ms each, the first
     done 11 ms before backward ends, the second 12 ms after, which the step then waits for."""
-    dp = import_step("step6_data_parallel_bucket", "data_parallel")
+    overlap = import_step("step6_data_parallel_bucket", "overlap_timeline")
 
     class Handle:  # a collective that takes 20 ms
         def __init__(self):
@@ -106,21 +107,22 @@ def overlap_trace(tmp_path):
             time.sleep(max(0, self.done - time.time_ns()) / 1e9)
 
     buckets = [
-        SimpleNamespace(grad_data=torch.zeros(numel), collective="all-reduce")
+        SimpleNamespace(grad_data=torch.zeros(numel), collective="all-reduce", dp_group=None)
         for numel in (2**18, 2**17)  # 1 MB and 0.5 MB of fp32
     ]
-    timeline = dp.OverlapTimeline(buckets)
+    timeline = overlap.OverlapTimeline()
+    timeline.watch(buckets)
     timeline.gradient_ready()
     for bucket, pause in zip(buckets, [0.002, 0.023], strict=True):
         time.sleep(pause)
-        bucket.handle = Handle()
-        timeline.launched(bucket, time.time_ns())
+        with timeline.launch(bucket):
+            bucket.handle = Handle()
     time.sleep(0.008)
     timeline.gradient_ready()
-    start = time.time_ns()
-    for bucket in buckets:
-        bucket.handle.wait()
-    timeline.waited(start, time.time_ns())
+    with timeline.wait():
+        for bucket in buckets:
+            bucket.handle.wait()
+    assert timeline.launched_in_backward == 2
     backward, busy, during, waited = timeline.summary()
     # Sleeps may overrun on a busy machine: the bounds leave room for that.
     assert 32 <= backward < 60 and 39 <= busy < 70 and 4 <= waited < 30

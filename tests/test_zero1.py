@@ -64,12 +64,14 @@ def batches(step, micro_batches, dp_size):
 
 
 def sharded_steps(rank, world, max_norms, results):
+    from overlap_timeline import OverlapTimeline
     from process_group_manager import ProcessGroupManager
     from zero import DataParallelZero1, optimizer_state_bytes
 
     pgm = ProcessGroupManager(1, 1, world)
     reference, model = tiny_model(), tiny_model()
-    wrapped = DataParallelZero1(model, pgm.dp_group, bucket_size_mb=100 / 2**20)
+    timeline = OverlapTimeline()  # counts the buckets launched before backward ended
+    wrapped = DataParallelZero1(model, pgm, ("dp",), bucket_size_mb=100 / 2**20, timeline=timeline)
     optimizer = adamw(decay_groups(list(model.parameters()), wrapped.shard))
     expected = adamw(decay_groups(list(reference.parameters())))
     m = 2  # micro-batches per rank
@@ -81,7 +83,7 @@ def sharded_steps(rank, world, max_norms, results):
             wrapped.require_backward_grad_sync = k == m - 1
             (F.mse_loss(wrapped(x[rank, k]), y[rank, k]) / m).backward()
         wrapped.finish_gradient_synchronization()
-        assert wrapped.launched_in_backward >= 1  # a reduce-scatter overlapped backward
+        assert timeline.launched_in_backward >= 1  # a reduce-scatter overlapped backward
         norm = wrapped.clip_grad_norm(max_norm, pgm, untied)
         optimizer.step()
         wrapped.all_gather_parameters()

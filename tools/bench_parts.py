@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from steps import step_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_MODULES = ["model", "utils", "comm_stats", "flags", "bookkeeping", "hf_import"]
-STEP_MODULES += ["process_group_manager", "tensor_parallel", "data_parallel", "pipeline_parallel"]
-STEP_MODULES += ["zero", "context_parallel", "checkpoint", "dataloader", "train"]
+STEP_MODULES = step_modules(ROOT)
 OVERRIDES = [
     "num_hidden_layers",
     "hidden_size",
@@ -207,10 +206,11 @@ def all_ranks_max(value):
 
 
 def compare_dp(args, device):
-    """Naive and bucketed data parallelism (step 6) against DistributedDataParallel: each rank
-    takes every dp_size-th micro-batch of the batch and accumulates them."""
+    """Naive (step 5) and bucketed (step 6) data parallelism against DistributedDataParallel:
+    each rank takes every dp_size-th micro-batch of the batch and accumulates them."""
     from torch.nn.parallel import DistributedDataParallel
 
+    naive = import_step("step5_data_parallel_naive", "data_parallel").DataParallelNaive
     model_module = import_step("step6_data_parallel_bucket", "model")
     data_parallel = import_step("step6_data_parallel_bucket", "data_parallel")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -222,7 +222,7 @@ def compare_dp(args, device):
     new = lambda: replica(model_module, config, args, device)
     models = {
         "bucketed": data_parallel.DataParallelBucket(new(), group),
-        "naive": data_parallel.DataParallelNaive(new(), group),
+        "naive": naive(new(), group),
         "DDP": DistributedDataParallel(new()),
     }
 
@@ -387,13 +387,15 @@ def compare_pp(args, device):
         model.init_weights(args.seed)
         return pipeline.PipelineParallel(model)
 
-    def ours_step(model, schedule_fn):
+    def ours_step(model, engine):
         optimizer = adamw(model.parameters())
+        actions = pipeline.SCHEDULES[engine](world, m)[pgm.pp_rank]
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            args_ = (model, pairs, cross_entropy, shape, pgm, device, torch.float32)
-            loss = schedule_fn(*args_, pipeline.Schedule())
+            stages = [pipeline.Stage(model, pgm)]
+            args_ = (actions, stages, pairs, cross_entropy, shape, device, torch.float32)
+            loss = pipeline.run_schedule(*args_)
             optimizer.step()
             return loss
 
@@ -417,8 +419,8 @@ def compare_pp(args, device):
 
     models = {"1F1B": stage(), "AFAB": stage()}
     sides = {
-        "1F1B": ours_step(models["1F1B"], pipeline.train_step_1f1b),
-        "AFAB": ours_step(models["AFAB"], pipeline.train_step_afab),
+        "1F1B": ours_step(models["1F1B"], "1f1b"),
+        "AFAB": ours_step(models["AFAB"], "afab"),
         "Schedule1F1B": theirs_step,
     }
     for step in sides.values():
@@ -447,14 +449,16 @@ def compare_zero(args, device):
 
     model_module = import_step("step10_zero1", "model")
     zero = import_step("step10_zero1", "zero")
-    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    pgm_module = import_step("step10_zero1", "process_group_manager")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=1, dp_size=world)
     config = load_config(args)
     inputs, targets = make_batch(config, args, device)
     mine = split(inputs, targets, args.micro_batches)[rank::world]
     new = lambda: replica(model_module, config, args, device)
     last = len(mine) - 1
 
-    ours = zero.DataParallelZero1(new(), group)
+    ours = zero.DataParallelZero1(new(), pgm, ("dp",))
     ours_optimizer = adamw(ours.shard(list(ours.module.parameters())))
     ddp = DistributedDataParallel(new())
     zero_optimizer = ZeroRedundancyOptimizer(

@@ -4,8 +4,8 @@
     python tools/grid.py --dp 2 --pp 2 --cp 2 --tp 2
 
 The ranks come from `grid()` of step 11's process_group_manager.py, the function every
-ProcessGroupManager lays its ranks out with, and each group is the ranks that share the other
-three coordinates, as the manager builds them: the picture cannot drift from the code.
+ProcessGroupManager lays its ranks out with, and the groups from its `group_ranks()`, the rows the
+manager creates its groups from: the picture cannot drift from the code.
 `tests/test_foundation_tools.py` checks it against the groups of real ranks.
 """
 
@@ -38,26 +38,15 @@ def load_grid_module():
 
 def layout(dp, pp, cp, tp):
     """The (dp, pp, cp, tp) grid of global ranks, and every rank's groups: {axis: [[ranks]]},
-    each group the ranks that share the other coordinates, as the manager's `<axis>_group_ids`."""
+    each group the ranks that share the other coordinates, from the manager's `group_ranks`."""
     pgm = load_grid_module()
+    assert pgm.AXES == AXES, pgm.AXES
     world = dp * pp * cp * tp
     pgm.check_sizes(world, tp, pp, dp, cp)
     grid = pgm.grid(world, tp, pp, dp, cp)  # (dp, pp, cp, tp)
-    groups = {axis: set() for axis in [*AXES, "dp_cp"]}
-    for d in range(dp):
-        for p in range(pp):
-            for c in range(cp):
-                for t in range(tp):
-                    mine = {
-                        "tp": grid[d, p, c, :],
-                        "cp": grid[d, p, :, t],
-                        "pp": grid[d, :, c, t],
-                        "dp": grid[:, p, c, t],
-                        "dp_cp": grid[:, p, :, t].flatten(),
-                    }
-                    for axis, ranks in mine.items():
-                        groups[axis].add(tuple(ranks.tolist()))
-    return grid, {axis: sorted(map(list, g)) for axis, g in groups.items()}
+    groups = {axis: pgm.group_ranks(grid, axis).tolist() for axis in AXES}
+    groups["dp_cp"] = pgm.group_ranks(grid, "dp", "cp").tolist()
+    return grid, {axis: sorted(g) for axis, g in groups.items()}
 
 
 def coordinates(grid, rank):

@@ -39,11 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from steps import step_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_MODULES = ["model", "utils", "comm_stats", "flags", "bookkeeping", "hf_import"]
-STEP_MODULES += ["process_group_manager", "dataloader", "checkpoint", "tensor_parallel"]
-STEP_MODULES += ["data_parallel", "pipeline_parallel", "zero", "context_parallel", "train"]
+STEP_MODULES = step_modules(ROOT)
 OVERRIDES = [
     "num_hidden_layers",
     "hidden_size",
@@ -240,9 +239,8 @@ def wrap(layout, model, pgm):
     if layout.number < 7:
         import data_parallel
 
-        wrapper = data_parallel.DataParallelNaive
-        if layout.number == 6:
-            wrapper = data_parallel.DataParallelBucket
+        naive = layout.number == 5  # step 6 replaced it by the buckets
+        wrapper = data_parallel.DataParallelNaive if naive else data_parallel.DataParallelBucket
         return wrapper(model, pgm.dp_group), None
     from pipeline_parallel import PipelineParallel, TiedEmbeddings
 
@@ -253,8 +251,8 @@ def wrap(layout, model, pgm):
         return DataParallelBucket(stage, pgm.dp_group), tied
     from zero import DataParallelZero1
 
-    group = pgm.dp_cp_group if layout.number >= 11 else pgm.dp_group
-    return DataParallelZero1(stage, group, tied_weight=tied.weight), tied
+    axes = ("dp", "cp") if layout.number >= 11 else ("dp",)
+    return DataParallelZero1(stage, pgm, axes, tied_weight=tied.weight), tied
 
 
 def loss_function(layout, pgm):
@@ -317,11 +315,13 @@ def train_step(layout, model, tied, batches, loss_fn, pgm, shape):
             held = 1
         else:
             import pipeline_parallel as pipeline
+            from pipeline_timeline import Timeline
 
-            run = pipeline.train_step_1f1b if layout.engine == "1f1b" else pipeline.train_step_afab
-            extra = [] if layout.number < 8 else [pipeline.Schedule()]
-            run(model, batches, loss_fn, shape, pgm, torch.device("cpu"), torch.float32, *extra)
-            held = extra[0].peak_in_flight if extra else m  # AFAB holds every micro-batch
+            actions = pipeline.SCHEDULES[layout.engine](pgm.pp_size, m)[pgm.pp_rank]
+            timeline, stages = Timeline(), [pipeline.Stage(model, pgm)]
+            schedule = (actions, stages, batches, loss_fn, shape, torch.device("cpu"))
+            pipeline.run_schedule(*schedule, torch.float32, timeline)
+            held = timeline.peak_in_flight
     if layout.number >= 5:
         model.finish_gradient_synchronization()
     if tied is not None and layout.number >= 10:

@@ -1,4 +1,4 @@
-"""Draw the Chrome traces that `--pp_timeline` (step 8) and `--dp_timeline` (step 6) write as a
+"""Draw the Chrome traces that `--pp_timeline` (step 7) and `--dp_timeline` (step 6) write as a
 Gantt chart: one row per track (a pipeline stage, or the backward and the buckets' all-reduces),
 one bar per span, coloured by kind. Several traces become panels of one picture on a shared time
 axis, so that two schedules or two bucket sizes can be compared at a glance.

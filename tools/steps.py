@@ -43,6 +43,12 @@ def step_folders(root: Path) -> list[Path]:
     return folders
 
 
+def step_modules(root: Path) -> list[str]:
+    """The names of the Python modules the step folders hold (model, train, ...). The steps share
+    them: a process that imports two steps' modules drops these from its cache in between."""
+    return sorted({p.stem for step in step_folders(root) for p in step.glob("*.py")})
+
+
 def is_build_output(path: str) -> bool:
     return "__pycache__" in path.split("/") or path.endswith(".pyc")
 
