@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import MOMENTS  # AdamW's, elementwise like their parameter
-from data_parallel import Bucket, DataParallelBucket
+from data_parallel import NOTHING_TO_WAIT_FOR, Bucket, DataParallelBucket
 from overlap_timeline import NO_TIMELINE
 from placement import grad_norm, placed_parameters
 from utils import log
@@ -67,6 +67,9 @@ class ShardedBucket(Bucket):
         """Start the reduce-scatter and return at once. The output is this rank's shard of the
         input buffer itself: each rank's sum lands in place, with no second buffer."""
         assert self.handle is None
+        if self.dp_size == 1:  # one replica: the whole buffer is its shard, already summed
+            self.handle = NOTHING_TO_WAIT_FOR
+            return
         self.grad_data /= self.dp_size
         self.handle = dist.reduce_scatter_single(
             self.grad_shard, self.grad_data, group=self.dp_group, async_op=True
@@ -85,6 +88,8 @@ class ShardedBucket(Bucket):
         parameters, and the all-gather fills the rest of the buffer with the other ranks'."""
         for param, first, lo, hi in self.in_shard():
             self.grad_data[lo:hi] = param.view(-1)[first : first + hi - lo]
+        if self.dp_size == 1:  # the shard is the whole buffer: nothing to gather
+            return NOTHING_TO_WAIT_FOR
         return dist.all_gather_single(self.grad_data, self.grad_shard, self.dp_group, async_op=True)
 
     def copy_parameters_out(self):

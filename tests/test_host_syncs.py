@@ -15,9 +15,10 @@ import os
 import subprocess
 import time
 
+import pytest
 from conftest import LAUNCH, ROOT, TINY, check
 
-S6, S9 = "step6_data_parallel_bucket", "step9_3d_parallel"
+S6, S9, S11 = "step6_data_parallel_bucket", "step9_3d_parallel", "step11_context_parallel"
 RUN = [*TINY, "--num_proc", "1", "--max_steps", "3", "--gradient_accumulation_steps", "2"]
 RUN += ["--sample_tokens", "0", "--eval_steps", "1", "--eval_every", "0"]
 
@@ -38,8 +39,9 @@ import train
 import utils
 
 counts, phase = collections.Counter(), [0]
-CALLS = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-         "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier"]
+CALLS = ["all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+         "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "send", "recv", "isend",
+         "irecv", "batch_isend_irecv", "barrier"]
 
 
 def counted(name, original):
@@ -107,12 +109,14 @@ def test_data_parallel_step_makes_its_bucket_and_one_more_collective(tmp_path):
         assert rank == {"all_reduce on group of 2": 1, "all_reduce on world": 1, "host sync": 1}
 
 
-def test_3d_step_makes_one_collective_over_the_world_and_none_on_a_group_of_one(tmp_path):
-    """tp 2 x pp 2 (step 9, 1F1B): besides the technique's calls (tp's all-reduces, pp's sends,
-    the gradient norm's sum over tp x pp), one all-reduce over the world (the facts), none on the
-    data-parallel group of one rank, and one host sync."""
+@pytest.mark.parametrize("step", [S9, S11])
+def test_3d_step_makes_one_collective_over_the_world_and_none_on_a_group_of_one(tmp_path, step):
+    """tp 2 x pp 2 (1F1B; step 9, and step 11 with ZeRO-1 and its cp axis): besides the
+    technique's calls (tp's all-reduces, pp's sends, the gradient norm's sum over tp x pp), one
+    all-reduce over the world (the facts), none on a group of one rank (dp, dp x cp: the buckets'
+    collectives), and one host sync."""
     args = [*RUN, "--tp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b"]
-    for rank in count(tmp_path, S9, args, nproc=4):
+    for rank in count(tmp_path, step, args, nproc=4):
         assert rank["all_reduce on world"] == 1, rank
         assert rank["host sync"] == 1, rank
         assert not [what for what in rank if what.endswith("group of 1")], rank

@@ -170,6 +170,7 @@ pgm, device = train.setup_distributed(args)
 total = torch.ones(1)
 dist.all_reduce(total)
 print("sum", total.item())
+dist.destroy_process_group()
 """
 
 

@@ -19,61 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
 sys.path.insert(0, str(TOOLS))
 
-from steps import step_files, step_folders, step_number  # noqa: E402
+from steps import STEPS, step_files, step_folders, step_number  # noqa: E402
 
-# Files each step may add, modify or remove relative to the step before it. Every other file of
-# the step must be byte-identical to the previous step. A new step needs an entry here.
-# Entries for steps not written yet are guesses: correct them when the step is written.
-STEP_CHANGES = {
-    "step2_process_group_manager": {
-        "process_group_manager.py",
-        "comm_stats.py",
-        "train.py",
-        "README.md",
-    },
-    "step3_dataloader": {
-        "dataloader.py",
-        "checkpoint.py",
-        "utils.py",
-        "flags.py",
-        "bookkeeping.py",
-        "train.py",
-        "README.md",
-    },
-    "step4_tensor_parallel": {
-        "tensor_parallel.py",
-        "placement.py",
-        "checkpoint.py",
-        "train.py",
-        "README.md",
-    },
-    "step5_data_parallel_naive": {"data_parallel.py", "dataloader.py", "train.py", "README.md"},
-    "step6_data_parallel_bucket": {
-        "data_parallel.py",
-        "overlap_timeline.py",
-        "train.py",
-        "README.md",
-    },
-    "step7_pipeline_parallel_afab": {
-        "pipeline_parallel.py",
-        "pipeline_timeline.py",
-        "checkpoint.py",
-        "train.py",
-        "README.md",
-    },
-    "step8_pipeline_parallel_1f1b": {"pipeline_parallel.py", "train.py", "README.md"},
-    "step9_3d_parallel": {"checkpoint.py", "hf_import.py", "train.py", "README.md"},
-    "step10_zero1": {"zero.py", "train.py", "checkpoint.py", "README.md"},
-    "step11_context_parallel": {
-        "context_parallel.py",
-        "process_group_manager.py",
-        "dataloader.py",
-        "pipeline_parallel.py",
-        "checkpoint.py",
-        "train.py",
-        "README.md",
-    },
-}
+# Files each step may add, modify or remove relative to the step before it (the manifest,
+# tools/steps.py): every other file of the step must be byte-identical to the previous step's.
+STEP_CHANGES = {step.folder: set(step.changes) for step in STEPS[1:]}
 
 # Tool runs in temporary repositories must not depend on the user's git configuration.
 GIT_ENV = {
@@ -369,20 +319,15 @@ def test_model_identical_in_every_step():
 
 # Modules that no later step changes: byte-identical from the step that introduces them on, so
 # they never show in a later patch. Run plumbing lives here, not in train.py.
-FROZEN_FROM = {
-    "model.py": "step1_model",
-    "comm_stats.py": "step2_process_group_manager",
-    "utils.py": "step3_dataloader",
-    "flags.py": "step3_dataloader",
-    "bookkeeping.py": "step3_dataloader",
-    "tensor_parallel.py": "step4_tensor_parallel",
-    "placement.py": "step4_tensor_parallel",
-    "data_parallel.py": "step6_data_parallel_bucket",
-    "overlap_timeline.py": "step6_data_parallel_bucket",
-    "pipeline_timeline.py": "step7_pipeline_parallel_afab",
-    "hf_import.py": "step9_3d_parallel",
-    "zero.py": "step10_zero1",
-}
+FROZEN_FROM = {name: step.folder for step in STEPS for name in step.frozen}
+
+
+def test_the_manifest_lists_every_step_once_in_order():
+    """tools/steps.py's table is the steps on disk; what a step freezes, it adds or changes."""
+    assert [step.folder for step in STEPS] == [step.name for step in real_steps()]
+    for step in STEPS:
+        assert set(step.frozen) <= set(step.changes), step.folder
+        assert all((ROOT / step.folder / name).is_file() for name in step.changes if name), step
 
 
 def test_frozen_modules_identical_from_their_step():

@@ -34,8 +34,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_parts  # noqa: E402
+from steps import STEPS  # noqa: E402
 
-WORLD = {"model": 1, "dp": 2, "tp": 2, "pp": 2, "zero": 2, "cp": 2}
+WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  # processes
 
 
 def parse_args(argv=None):

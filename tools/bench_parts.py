@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from steps import step_modules
+from steps import STEPS, step_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_MODULES = step_modules(ROOT)
@@ -31,6 +31,11 @@ OVERRIDES = [
     "num_attention_heads",
     "num_key_value_heads",
 ]
+
+
+def part_step(part):
+    """The folder of the step whose technique the bench part measures (tools/steps.py)."""
+    return next(step.folder for step in STEPS if part in step.bench)
 
 
 def import_step(step, name):
@@ -150,7 +155,7 @@ def compare_model(args, device):
     """Our model against transformers' LlamaForCausalLM, one device, the same weights."""
     import transformers
 
-    ours_module = import_step("step1_model", "model")
+    ours_module = import_step(part_step("model"), "model")
     config = load_config(args)
     ours = ours_module.LlamaForCausalLM(config).to(device)
     ours.init_weights(args.seed)
@@ -211,8 +216,8 @@ def compare_dp(args, device):
     from torch.nn.parallel import DistributedDataParallel
 
     naive = import_step("step5_data_parallel_naive", "data_parallel").DataParallelNaive
-    model_module = import_step("step6_data_parallel_bucket", "model")
-    data_parallel = import_step("step6_data_parallel_bucket", "data_parallel")
+    model_module = import_step(part_step("dp"), "model")
+    data_parallel = import_step(part_step("dp"), "data_parallel")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args)
     inputs, targets = make_batch(config, args, device)
@@ -281,9 +286,9 @@ def compare_tp(args, device):
         parallelize_module,
     )
 
-    model_module = import_step("step4_tensor_parallel", "model")
-    tensor_parallel = import_step("step4_tensor_parallel", "tensor_parallel")
-    comm_stats = import_step("step4_tensor_parallel", "comm_stats")
+    model_module = import_step(part_step("tp"), "model")
+    tensor_parallel = import_step(part_step("tp"), "tensor_parallel")
+    comm_stats = import_step(part_step("tp"), "comm_stats")
     world, group = dist.get_world_size(), dist.group.WORLD
     config = load_config(args)
     inputs, targets = make_batch(config, args, device)
@@ -369,9 +374,9 @@ def compare_pp(args, device):
     the same slice of the model (keep_stage), all the micro-batches of the batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    model_module = import_step("step8_pipeline_parallel_1f1b", "model")
-    pipeline = import_step("step8_pipeline_parallel_1f1b", "pipeline_parallel")
-    pgm_module = import_step("step8_pipeline_parallel_1f1b", "process_group_manager")
+    model_module = import_step(part_step("pp"), "model")
+    pipeline = import_step(part_step("pp"), "pipeline_parallel")
+    pgm_module = import_step(part_step("pp"), "process_group_manager")
     world = dist.get_world_size()
     pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
     config = load_config(args)
@@ -447,9 +452,9 @@ def compare_zero(args, device):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    model_module = import_step("step10_zero1", "model")
-    zero = import_step("step10_zero1", "zero")
-    pgm_module = import_step("step10_zero1", "process_group_manager")
+    model_module = import_step(part_step("zero"), "model")
+    zero = import_step(part_step("zero"), "zero")
+    pgm_module = import_step(part_step("zero"), "process_group_manager")
     rank, world = dist.get_rank(), dist.get_world_size()
     pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=1, dp_size=world)
     config = load_config(args)
@@ -618,7 +623,7 @@ def compare_cp(args, device):
     and one fused SDPA call (what a rank does without a ring: it holds every key and value, and
     its mask makes the kernel compute the blocks that the causal mask hides), and PyTorch's
     private `_templated_ring_attention`. A step is the attention's forward and backward."""
-    context_parallel = import_step("step11_context_parallel", "context_parallel")
+    context_parallel = import_step(part_step("cp"), "context_parallel")
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     config = load_config(args)
     B, T, d = args.micro_batch_size, args.seq_len, config.head_dim

@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from steps import step_entry
+
 ROOT = Path(__file__).resolve().parents[1]
 STEP9 = "step9_3d_parallel"
 STEP10 = "step10_zero1"
@@ -63,27 +65,26 @@ def baseline_layout(accumulation):
     return Layout("baseline", "step3_dataloader", 1, (), accumulation)
 
 
-def default_layouts(accumulation):
-    """The layouts compared with a baseline that accumulates `accumulation` micro-batches. With a
-    3-layer model pp2 is uneven (2 + 1 layers), and pp3 runs fewer micro-batches than stages
-    when accumulation < 3."""
-    if accumulation % 2:
-        raise ValueError(
-            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+def step_layouts(number, accumulation):
+    """Step `number`'s layouts (tools/steps.py's manifest), each on its share of a baseline that
+    accumulates `accumulation` micro-batches: a layout with dp_size 2 takes half."""
+    layouts = []
+    for name, nproc, flags, divisor in step_entry(number).convergence:
+        if accumulation % divisor:
+            raise ValueError(
+                f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+            )
+        layouts.append(
+            Layout(name, step_entry(number).folder, nproc, flags, accumulation // divisor)
         )
-    half = accumulation // 2
-    bucket = ("--bucket_size_mb", "0.05")  # several buckets even for the tiny model
-    pp2 = ("--pp_size", "2", "--pp_engine")  # then the engine
-    grid = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
-    return [
-        Layout("tp2", "step4_tensor_parallel", 2, ("--tp_size", "2"), accumulation),
-        Layout("dp2_naive", "step5_data_parallel_naive", 2, ("--dp_size", "2"), half),
-        Layout("dp2_bucket", "step6_data_parallel_bucket", 2, ("--dp_size", "2", *bucket), half),
-        Layout("pp2_afab", "step7_pipeline_parallel_afab", 2, (*pp2, "afab"), accumulation),
-        Layout("pp2_1f1b", "step8_pipeline_parallel_1f1b", 2, (*pp2, "1f1b"), accumulation),
-        Layout("tp2_dp2_pp2", STEP9, 8, (*grid, *bucket), half),
-        Layout("pp3_1f1b", STEP9, 3, ("--pp_size", "3", "--pp_engine", "1f1b"), accumulation),
-    ]
+    return layouts
+
+
+def default_layouts(accumulation):
+    """The layouts of steps 4 to 9 compared with a baseline that accumulates `accumulation`
+    micro-batches. With a 3-layer model pp2 is uneven (2 + 1 layers), and pp3 runs fewer
+    micro-batches than stages when accumulation < 3."""
+    return [layout for number in range(4, 10) for layout in step_layouts(number, accumulation)]
 
 
 @dataclass(frozen=True)
@@ -145,35 +146,13 @@ def tied_layouts(accumulation):
 def zero1_layouts(accumulation):
     """Step 10's layouts: the optimizer state sharded over 2 dp ranks, alone, with tp 2, and in
     3D (small buckets, so that shards cut parameters)."""
-    if accumulation % 2:
-        raise ValueError(
-            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
-        )
-    dp2 = ("--dp_size", "2", "--bucket_size_mb", "0.05")
-    grid = (*dp2, "--tp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
-    return [
-        Layout("zero1_dp2", STEP10, 2, dp2, accumulation // 2),
-        Layout("zero1_tp2_dp2", STEP10, 4, (*dp2, "--tp_size", "2"), accumulation // 2),
-        Layout("zero1_tp2_dp2_pp2", STEP10, 8, grid, accumulation // 2),
-    ]
+    return step_layouts(10, accumulation)
 
 
 def cp_layouts(accumulation):
     """Step 11's layouts: each sequence split over 2 cp ranks, alone, with tp 2, with pp 2, and
     in 4D (dp 2 x pp 2 x cp 2 x tp 1, 8 processes). seq_len must divide by 4."""
-    if accumulation % 2:
-        raise ValueError(
-            f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
-        )
-    cp2 = ("--cp_size", "2")
-    pp2 = ("--pp_size", "2", "--pp_engine", "1f1b")
-    grid = (*cp2, *pp2, "--dp_size", "2", "--bucket_size_mb", "0.05")
-    return [
-        Layout("cp2", STEP11, 2, cp2, accumulation),
-        Layout("cp2_tp2", STEP11, 4, (*cp2, "--tp_size", "2"), accumulation),
-        Layout("pp2_cp2", STEP11, 4, (*cp2, *pp2), accumulation),
-        Layout("dp2_pp2_cp2", STEP11, 8, grid, accumulation // 2),
-    ]
+    return step_layouts(11, accumulation)
 
 
 def tied_config(model_name, directory):

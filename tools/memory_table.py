@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from steps import step_modules
+from steps import STEPS, step_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_MODULES = step_modules(ROOT)
@@ -79,17 +79,9 @@ class Layout:
         return text
 
 
-# One layout per step, at most 4 ranks: what the step adds, and no more.
+# One layout per step (tools/steps.py's manifest), at most 4 ranks: what the step adds, no more.
 LAYOUTS = {
-    3: Layout("step3_dataloader"),
-    4: Layout("step4_tensor_parallel", tp=2),
-    5: Layout("step5_data_parallel_naive", dp=2),
-    6: Layout("step6_data_parallel_bucket", dp=2),
-    7: Layout("step7_pipeline_parallel_afab", pp=2, micro_batches=4),
-    8: Layout("step8_pipeline_parallel_1f1b", pp=4, engine="1f1b", micro_batches=8),
-    9: Layout("step9_3d_parallel", tp=2, pp=2, engine="1f1b", micro_batches=4),
-    10: Layout("step10_zero1", tp=2, dp=2),
-    11: Layout("step11_context_parallel", cp=2),
+    step.number: Layout(step.folder, **step.memory) for step in STEPS if step.memory is not None
 }
 
 

@@ -10,6 +10,7 @@ ending in `.pyc`, even if it was committed by mistake.
 import os
 import re
 import subprocess
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
@@ -67,3 +68,90 @@ def step_files(root: Path, step: Path) -> list[str]:
         if (root / name).is_file():
             files.add(name[len(prefix) :])
     return sorted(files)
+
+
+# ---- The manifest: the course's steps in one table ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the course. `changes`: the files it adds or changes from the step before (every
+    other file is that step's, byte for byte); `frozen`: those of them that no later step changes.
+    What the tools run for it: `convergence`, its layouts trained against one device, each
+    (name, processes, flags, the divisor of the baseline's gradient accumulation); `memory`, the
+    layout of its row in tools/memory_table.py; `bench`, the parts of tools/bench.py that measure
+    its technique against PyTorch's (its name: processes)."""
+
+    folder: str
+    changes: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
+    convergence: tuple[tuple, ...] = ()
+    memory: dict | None = None
+    bench: dict = field(default_factory=dict)
+
+    @property
+    def number(self):
+        return int(STEP_NAME.fullmatch(self.folder).group(1))
+
+
+DP2_BUCKETS = ("--dp_size", "2", "--bucket_size_mb", "0.05")  # several buckets for a tiny model
+PP2 = ("--pp_size", "2", "--pp_engine")  # then the engine
+GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+STEPS = [
+    Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
+         bench={"model": 1}),
+    Step("step2_process_group_manager",
+         ("process_group_manager.py", "comm_stats.py", "train.py", "README.md"),
+         ("comm_stats.py",)),
+    Step("step3_dataloader",
+         ("dataloader.py", "checkpoint.py", "utils.py", "flags.py", "bookkeeping.py", "train.py",
+          "README.md"),
+         ("utils.py", "flags.py", "bookkeeping.py"), memory={}),
+    Step("step4_tensor_parallel",
+         ("tensor_parallel.py", "placement.py", "checkpoint.py", "train.py", "README.md"),
+         ("tensor_parallel.py", "placement.py"),
+         convergence=(("tp2", 2, ("--tp_size", "2"), 1),), memory={"tp": 2}, bench={"tp": 2}),
+    Step("step5_data_parallel_naive",
+         ("data_parallel.py", "dataloader.py", "train.py", "README.md"),
+         convergence=(("dp2_naive", 2, ("--dp_size", "2"), 2),), memory={"dp": 2}),
+    Step("step6_data_parallel_bucket",
+         ("data_parallel.py", "overlap_timeline.py", "train.py", "README.md"),
+         ("data_parallel.py", "overlap_timeline.py"),
+         convergence=(("dp2_bucket", 2, DP2_BUCKETS, 2),), memory={"dp": 2}, bench={"dp": 2}),
+    Step("step7_pipeline_parallel_afab",
+         ("pipeline_parallel.py", "pipeline_timeline.py", "checkpoint.py", "train.py", "README.md"),
+         ("pipeline_timeline.py",),
+         convergence=(("pp2_afab", 2, (*PP2, "afab"), 1),),
+         memory={"pp": 2, "micro_batches": 4}),
+    Step("step8_pipeline_parallel_1f1b", ("pipeline_parallel.py", "train.py", "README.md"),
+         convergence=(("pp2_1f1b", 2, (*PP2, "1f1b"), 1),),
+         memory={"pp": 4, "engine": "1f1b", "micro_batches": 8}, bench={"pp": 2}),
+    Step("step9_3d_parallel", ("checkpoint.py", "hf_import.py", "train.py", "README.md"),
+         ("hf_import.py",),
+         convergence=(("tp2_dp2_pp2", 8, (*GRID, "--bucket_size_mb", "0.05"), 2),
+                      ("pp3_1f1b", 3, ("--pp_size", "3", "--pp_engine", "1f1b"), 1)),
+         memory={"tp": 2, "pp": 2, "engine": "1f1b", "micro_batches": 4}),
+    Step("step10_zero1", ("zero.py", "train.py", "checkpoint.py", "README.md"), ("zero.py",),
+         convergence=(("zero1_dp2", 2, DP2_BUCKETS, 2),
+                      ("zero1_tp2_dp2", 4, (*DP2_BUCKETS, "--tp_size", "2"), 2),
+                      ("zero1_tp2_dp2_pp2", 8,
+                       (*DP2_BUCKETS, "--tp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b"),
+                       2)),
+         memory={"tp": 2, "dp": 2}, bench={"zero": 2}),
+    Step("step11_context_parallel",
+         ("context_parallel.py", "process_group_manager.py", "dataloader.py",
+          "pipeline_parallel.py", "checkpoint.py", "train.py", "README.md"),
+         convergence=(("cp2", 2, ("--cp_size", "2"), 1),
+                      ("cp2_tp2", 4, ("--cp_size", "2", "--tp_size", "2"), 1),
+                      ("pp2_cp2", 4, ("--cp_size", "2", *PP2, "1f1b"), 1),
+                      ("dp2_pp2_cp2", 8,
+                       ("--cp_size", "2", *PP2, "1f1b", "--dp_size", "2", "--bucket_size_mb",
+                        "0.05"), 2)),
+         memory={"cp": 2}, bench={"cp": 2}),
+]  # fmt: skip
+
+
+def step_entry(number):
+    """The manifest's entry of step `number`."""
+    [entry] = [step for step in STEPS if step.number == number]
+    return entry
