@@ -17,10 +17,6 @@ import torch.multiprocessing as mp
 
 # No network here: the hub libraries fail at once instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The tests tokenise in this process and then fork datasets' workers (--num_proc 2): a fast
-# tokenizer whose thread pool ran before the fork can crash the forked worker (seen: a
-# segmentation fault in its garbage collection, "One of the subprocesses has abruptly died").
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from steps import step_modules  # noqa: E402
