@@ -1,15 +1,14 @@
 """Start from a transformers Llama checkpoint (`--init_from_hf FOLDER`, as save_pretrained writes
 it): the shape from its config.json, and each rank's parameters read from its safetensors files,
-only the rows or columns this rank holds (its stage's layers, its tp slices)."""
+only the part of each tensor this rank holds (its stage's layers, its tp slices)."""
 
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from checkpoint import local_parameters, narrow
+from checkpoint import LM_HEAD, cut, end, local_parameters, model_shapes, stored_name
 from flags import OVERRIDES
-from model import LlamaForCausalLM
 from utils import log
 
 
@@ -55,13 +54,12 @@ def init_from_hf(model, args, resuming):
     log(f"weights from {args.init_from_hf}")
 
 
-def refuse_unused_tensors(config, keys, directory):
-    """A checkpoint tensor that no parameter of the whole model (every stage) takes, such as a
-    bias, would be dropped without a word: the run would train another model than the one saved."""
-    with torch.device("meta"):
-        expected = set(LlamaForCausalLM(config).state_dict())  # a tied lm_head is optional
+def refuse_unused_tensors(expected, keys, directory):
+    """A checkpoint tensor that no parameter of the whole model (`expected`: every stage's names)
+    takes, such as a bias, would be dropped without a word: the run would train another model
+    than the one saved."""
     # Older conversions saved RoPE's frequencies, which the model computes from the config.
-    unused = sorted(k for k in set(keys) - expected if not k.endswith("rotary_emb.inv_freq"))
+    unused = sorted(k for k in set(keys) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
         raise ValueError(
@@ -73,23 +71,28 @@ def refuse_unused_tensors(config, keys, directory):
 @torch.no_grad()
 def load_hf_weights(model, directory):
     """Fill this rank's parameters from a transformers checkpoint, reading from the safetensors
-    files only the rows or columns this rank holds (its stage's layers, its tp slices)."""
+    files only the box of each tensor this rank holds (its stage's layers, its tp slices). Every
+    rank first checks the names and shapes of the whole model's parameters (every stage's), so
+    that all refuse alike, before any weight is read."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ValueError(f"--init_from_hf {directory}: no *.safetensors files there")
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     where = {key: handle for handle in handles for key in handle.keys()}
-    refuse_unused_tensors(model.config, where, directory)
-    # Each parameter once (tied embeddings: once), with the rows or columns this rank holds.
-    for key, param, dim, start, shape in local_parameters(model):
-        if key == "lm_head.weight" and key not in where and model.config.tie_word_embeddings:
-            key = "model.embed_tokens.weight"  # transformers omits the tied head
+    # A tied lm_head is the embedding, which transformers saves (and the head too, at times).
+    shapes, tied = model_shapes(model), model.config.tie_word_embeddings
+    refuse_unused_tensors([*shapes, *([LM_HEAD] if tied else [])], where, directory)
+    for key, shape in shapes.items():
         if key not in where:
             raise ValueError(f"--init_from_hf {directory}: no tensor {key}")
-        full = where[key].get_slice(key)
-        if full.get_shape() != shape:
+        found = where[key].get_slice(key).get_shape()
+        if found != shape:
             raise ValueError(
-                f"--init_from_hf {directory}: {key} has shape {tuple(full.get_shape())}, "
+                f"--init_from_hf {directory}: {key} has shape {tuple(found)}, "
                 f"this model's is {tuple(shape)}"
             )
-        param.copy_(full[:] if dim is None else narrow(full, dim, start, param.shape[dim]))
+    for placed, start in local_parameters(model):
+        key = stored_name(placed.name, model.config)
+        box = {"start": start, "size": list(placed.param.shape)}  # this rank's, of the whole one
+        full = where[key].get_slice(key)
+        placed.param.copy_(full[cut(start, end(box), [0] * len(start))])

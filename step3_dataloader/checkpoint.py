@@ -27,15 +27,16 @@ def write_atomically(path, text):
     os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
 
 
-def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader):
-    """Called on every rank. Every rank holds the same copy, so rank 0 writes it."""
-    save_dir = Path(save_dir)
+def save_checkpoint(ctx, state, step):
+    """Called on every rank, with the run's context and what it trains (train.py's `Context` and
+    `State`). Every rank holds the same copy, so rank 0 writes it."""
+    save_dir, model = Path(ctx.args.save_dir), state.model
     final, tmp = save_dir / f"step_{step:06d}", save_dir / f".step_{step:06d}.tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.config.save_pretrained(tmp)  # the full model's shape, for export and sampling
-        write_state(tmp, step, model, optimizer, scheduler, loader)
+        write_state(tmp, step, model, state.optimizer, state.scheduler, state.train_loader)
         if final.exists():  # saving the same step again, after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -124,9 +125,9 @@ def check_same_model(path, config):
         )
 
 
-def load_checkpoint(path, model, optimizer, scheduler, loader, device):
+def load_checkpoint(ctx, state, path):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
-    path = Path(path)
+    path, model, device = Path(path), state.model, ctx.device
     if path.is_dir() and not (path / "model.safetensors").exists():
         others = sorted(p.name for p in path.glob("*.safetensors") if p.name not in FILES)
         if others:  # weights, but not in a file of this step's
@@ -137,12 +138,12 @@ def load_checkpoint(path, model, optimizer, scheduler, loader, device):
     check_complete(path, FILES)
     check_same_model(path, model.config)
     load_model(model, str(path / "model.safetensors"), device=str(device))
-    state = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["data"])
-    torch.set_rng_state(state["rng"]["cpu"].cpu())
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
-    log(f"resumed from {path} at step {state['step']}")
-    return state["step"]
+    saved = torch.load(path / "trainer_state.pt", map_location=device, weights_only=True)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.train_loader.load_state_dict(saved["data"])
+    torch.set_rng_state(saved["rng"]["cpu"].cpu())
+    if "cuda" in saved["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in saved["rng"]["cuda"]])
+    log(f"resumed from {path} at step {saved['step']}")
+    return saved["step"]

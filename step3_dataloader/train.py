@@ -7,7 +7,9 @@ Every rank still trains its own copy; see README.md for what each piece does.
 """
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,30 @@ from flags import load_config, make_parser, parse
 from model import LlamaForCausalLM
 from process_group_manager import ProcessGroupManager, check_sizes
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
+
+
+class Context(NamedTuple):
+    """What every part of the run reads and nothing changes: the flags (complete once parsed,
+    never written after), the device, the autocast dtype and the grid of ranks."""
+
+    args: object
+    device: torch.device
+    dtype: torch.dtype
+    pgm: ProcessGroupManager
+
+
+@dataclass
+class State:
+    """What the run trains with: the model as built (its parameters, which checkpoints save) and
+    as called (compiled), the optimizer with its schedule, the loaders and the tokenizer."""
+
+    model: torch.nn.Module
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: object
+    train_loader: MicroBatchDataLoader
+    val_loader: MicroBatchDataLoader
 
 
 def parse_args(argv=None):
@@ -55,18 +81,20 @@ def setup_distributed(args):
 
 
 ### end Process groups
-def build_model(config, device, seed):
+def build_model(ctx, config):
     """Build on the meta device (no memory), allocate on `device`, then initialise from the seed."""
+    args, device, dtype, pgm = ctx
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device=device)
     model.tie_weights()
-    model.init_weights(seed)
+    model.init_weights(args.seed)
     return model
 
 
-def build_optimizer(model, args, device):
+def build_optimizer(ctx, model):
     """AdamW, weight decay on matrices only (not norms); linear warm-up, cosine decay to 10 %."""
+    args, device, dtype, pgm = ctx
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
@@ -78,8 +106,9 @@ def build_optimizer(model, args, device):
 
 
 ### begin Data
-def build_data(args, config, device):
+def build_data(ctx, config):
     """The tokenizer and loaders for the training rows (shuffled) and the validation rows."""
+    args, device, dtype, pgm = ctx
     tokenizer, train, validation = load_data(args, config.vocab_size)
     train_loader = MicroBatchDataLoader(train, args.micro_batch_size, args.seed, device)
     val_loader = MicroBatchDataLoader(validation, args.micro_batch_size, args.seed, device, False)
@@ -93,8 +122,10 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (B*T, V)
 
 
-def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype):
+def train_step(ctx, state, micro_batches):
     """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm."""
+    args, device, dtype, pgm = ctx
+    model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for inputs, targets in micro_batches:
@@ -114,8 +145,10 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype):
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device, dtype):
+def evaluate(ctx, state):
     """The mean loss over the first --eval_steps validation micro-batches, the same every time."""
+    args, device, dtype, pgm = ctx
+    model, loader = state.model, state.val_loader
     model.eval()
     loader.load_state_dict({"position": 0})
     total = torch.zeros((), device=device)
@@ -128,10 +161,11 @@ def evaluate(model, loader, args, device, dtype):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, args, top_k=20, temperature=0.8):
+def sample(ctx, state, top_k=20, temperature=0.8):
     """Continue --sample_prompt by --sample_tokens tokens, sampling among the top-k next ones."""
+    args, device, dtype, pgm = ctx
+    model, tokenizer = state.model, state.tokenizer
     model.eval()
-    device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(args.seed)
     prompt = tokenizer.encode(args.sample_prompt, add_special_tokens=False)
     ids = torch.tensor([prompt], device=device)  # (1, T)
@@ -149,35 +183,36 @@ def main(argv=None):
     pgm, device = setup_distributed(args)
     log(pgm, all_ranks=True)
     dtype = resolve_dtype(args.dtype, device)
+    ctx = Context(args, device, dtype, pgm)
     set_seed(args.seed)
     config = load_config(args)
     run = Run(args, device, flops_per_token(config, args.seq_len), pgm)
-    model = build_model(config, device, args.seed)
-    optimizer, scheduler = build_optimizer(model, args, device)
+    model = build_model(ctx, config)
+    optimizer, scheduler = build_optimizer(ctx, model)
     wrapped = torch.compile(model) if args.compile else model
     params = sum(p.numel() for p in model.parameters())
     log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")
-    tokenizer, train_loader, val_loader = build_data(args, config, device)
+    state = State(model, wrapped, optimizer, scheduler, *build_data(ctx, config))
     checkpoint = find_checkpoint(args)
     if checkpoint:
-        step = load_checkpoint(checkpoint, model, optimizer, scheduler, train_loader, device)
-        run.resumed(step, optimizer, scheduler, train_loader.position * args.seq_len)
-    for step in range(run.start_step + 1, args.max_steps + 1):
+        step = load_checkpoint(ctx, state, checkpoint)
+        run.resumed(step, optimizer, scheduler, state.train_loader.position * args.seq_len)
+    for step in range(run.start_step + 1, run.max_steps + 1):
         run.begin(step, optimizer)
-        batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
+        batch = [next(state.train_loader) for _ in range(args.gradient_accumulation_steps)]
         with run.communication():  # --comm_stats: what the step sends
-            facts = train_step(wrapped, batch, optimizer, scheduler, args, device, dtype)
-        run.end(facts, train_loader.position * args.seq_len)
+            facts = train_step(ctx, state, batch)
+        run.end(facts, state.train_loader.position * args.seq_len)
         if run.should_validate():
-            run.record["val_loss"] = evaluate(model, val_loader, args, device, dtype)
+            run.record["val_loss"] = evaluate(ctx, state)
         run.log_step()
         if run.should_save():
-            save_checkpoint(args.save_dir, step, model, optimizer, scheduler, train_loader)
+            run.save(save_checkpoint, ctx, state, step)
         if run.should_stop():
             break
     run.close()
     if not run.stopped:  # the seconds before the cluster kills the job go to the checkpoint only
-        log(f"sample: {sample(model, tokenizer, args)!r}")
+        log(f"sample: {sample(ctx, state)!r}")
     dist.destroy_process_group()
 
 

@@ -6,16 +6,19 @@ is never applied (--on_nonfinite), a checkpoint is not begun on a disk it would 
 (--low_disk), old checkpoints are removed (--keep_last).
 
     run = Run(args, device, flops_per_token, pgm)
-    for step in range(run.start_step + 1, args.max_steps + 1):
+    for step in range(run.start_step + 1, run.max_steps + 1):
         run.begin(step, optimizer)
         with run.communication():             # --comm_stats: what the first step sends
             facts = ...                       # one training step, which ends with agree(...)
-        run.end(facts, tokens)
+        run.end(facts, tokens)                # stops the run on a step it must not go on from
         if run.should_validate(): run.record["val_loss"] = evaluate(...)
-        run.log_step()
-        if run.should_save(): save_checkpoint(...)
+        run.log_step()                        # the record to the log file, the step line
+        if run.should_save(): run.save(save_checkpoint, ...)
         if run.should_stop(): break
     run.close()
+
+The questions (`should_...`) only ask; what writes, prunes or talks to the other ranks is a
+call that says so.
 """
 
 import json
@@ -185,41 +188,144 @@ def prune_checkpoints(save_dir, keep):
         shutil.rmtree(doomed)
 
 
-def warmup_cosine(optimizer, args):
-    """The learning rate: linear warm-up over --warmup_steps, then cosine decay to 10 % of
-    --learning_rate at --max_steps (read at every step: a resume may move it)."""
+def lr_factor(warmup_steps, max_steps):
+    """The learning rate's factor at each step: linear warm-up over `warmup_steps`, then cosine
+    decay to 10 % at `max_steps`."""
 
-    def lr_factor(step):
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    def factor(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    return factor
+
+
+def warmup_cosine(optimizer, args):
+    """--learning_rate after a linear warm-up over --warmup_steps, then cosine decay to 10 % at
+    --max_steps (a resume may move the last step: `Run.resumed` gives the schedule the new one)."""
+    factor = lr_factor(args.warmup_steps, args.max_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class NonFiniteGuard:
+    """--on_nonfinite: train_step applied no update if the loss or the gradient norm was not
+    finite on some rank (`agree`); here the run counts the skip, or stops before anything is
+    validated or saved."""
+
+    def __init__(self, args):
+        self.args, self.skipped, self.in_a_row = args, 0, 0
+
+    def check(self, facts, step, record):
+        """Adds the skips to the step's `record`; returns why the run must stop, or None."""
+        if facts.finite:
+            self.in_a_row = 0
+            if self.skipped:  # the log counts the skips so far
+                record["skipped_steps"] = self.skipped
+            return None
+        args, what = self.args, "the gradient norm" if facts.loss_finite else "the loss"
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        record.update(skipped=True, skipped_steps=self.skipped)
+        if args.on_nonfinite == "skip" and self.in_a_row <= args.max_nonfinite_skips:
+            log(
+                f"step {step}: {what} is not finite on some rank; its update is skipped on "
+                f"every rank ({self.in_a_row} in a row, at most {args.max_nonfinite_skips})"
+            )
+            return None
+        latest = latest_checkpoint(args.save_dir) if args.save_dir else None
+        last = f"the last checkpoint, {latest}, is as it was" if latest else "no checkpoint"
+        if args.on_nonfinite == "skip":
+            what = f"{what} ({self.in_a_row} steps in a row)"
+        return (
+            f"step {step}: {what} is not finite on some rank: the run stops before applying "
+            f"it and saves nothing ({last}). A lower --learning_rate or --grad_clip may help; "
+            f"--on_nonfinite skip skips such steps"
+        )
+
+
+class Checkpoints:
+    """Which checkpoints are written and kept: one every --save_every steps, at the last step and
+    after SIGTERM; none begun on a disk it would not fit (--low_disk); the newest --keep_last.
+    `replicas`: how many ranks hold the same weights, which a checkpoint saves once."""
+
+    def __init__(self, args, device, replicas):
+        self.args, self.device, self.replicas = args, device, replicas
+
+    def due(self, step, last, stopped):
+        every = step % self.args.save_every == 0
+        return bool(self.args.save_dir) and (every or last or stopped)
+
+    def save(self, step, optimizer, write):
+        """Older checkpoints beyond --keep_last go first, then `write()` if the disk holds it."""
+        if self.args.keep_last and dist.get_rank() == 0:  # room for the one about to be written
+            prune_checkpoints(self.args.save_dir, self.args.keep_last - 1)
+        if self.disk_holds_one(step, optimizer):
+            write()
+
+    def disk_holds_one(self, step, optimizer):
+        """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
+        before the first, an estimate from this rank's parameters and optimizer state (summed
+        over the ranks, less the replicas' copies). All ranks agree. With --low_disk stop a
+        checkpoint that would not fit stops the run; with skip_save the run trains on."""
+        args, latest = self.args, latest_checkpoint(self.args.save_dir)
+        if latest is not None and latest.is_dir():
+            needed = torch.tensor(float(folder_bytes(latest)), device=self.device)
+            dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state = [t for s in optimizer.state.values() for t in s.values()]
+            local = sum(t.numel() * t.element_size() for t in params + state if t.dim())
+            # AdamW's two moments, before the first step has made them.
+            local += 0 if state else 2 * sum(p.numel() * p.element_size() for p in params)
+            needed = torch.tensor(float(local), device=self.device)
+            dist.all_reduce(needed)
+            needed /= self.replicas  # the ranks that hold the same weights save them once
+        folder = next(p for p in [Path(args.save_dir), *Path(args.save_dir).parents] if p.exists())
+        free = shutil.disk_usage(folder).free
+        fits = torch.tensor(float(needed.item() < free), device=self.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if fits.item() == 1.0:
+            return True
+        message = (
+            f"--save_dir {args.save_dir}: a checkpoint of step {step} needs about "
+            f"{needed.item():,.0f} bytes and {folder} has {free:,} free"
+        )
+        if args.low_disk == "skip_save":
+            log(f"warning: {message}; not saved (--low_disk skip_save), training goes on")
+            return False
+        raise ValueError(
+            f"{message}. Free some space, keep fewer checkpoints (--keep_last N), or pass "
+            f"--low_disk skip_save to train on without saving"
+        )
+
+    def close(self):
+        if self.args.save_dir and self.args.keep_last and dist.get_rank() == 0:
+            prune_checkpoints(self.args.save_dir, self.args.keep_last)
 
 
 class Run:
-    """One run's bookkeeping on the grid `pgm`. `flops_per_token`: the training FLOPs one device
-    spends per token of the step, for the throughput and MFU of the step line. `replicas`: how
-    many ranks hold the same weights, which a checkpoint saves once; the dp ranks unless the step
-    says otherwise."""
+    """One run's bookkeeping on the grid `pgm`: the step's clock and record, and the concerns it
+    asks (`guard`: non-finite steps; `checkpoints`: when to save and what to keep). The flags
+    are read, never written: the last step, which a resume with --max_tokens may move, is
+    `max_steps` here. `flops_per_token`: the training FLOPs one device spends per token of the
+    step, for the throughput and MFU of the step line. `replicas`: how many ranks hold the same
+    weights; the dp ranks unless the step says otherwise."""
 
     def __init__(self, args, device, flops_per_token, pgm, replicas=None):
         self.args, self.device, self.flops, self.pgm = args, device, flops_per_token, pgm
-        self.replicas = pgm.dp_size if replicas is None else replicas
         self.peak = peak_flops(device, args.peak_tflops)
-        self.start_step, self.step, self.record = 0, 0, {}
+        self.start_step, self.step, self.max_steps, self.record = 0, 0, args.max_steps, {}
         self.stop_signal, self.stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
         self.metrics = self.profiler = self.comm = None
-        self.skipped, self.in_a_row = 0, 0  # steps not applied (--on_nonfinite skip)
+        self.guard = NonFiniteGuard(args)
+        self.checkpoints = Checkpoints(args, device, pgm.dp_size if replicas is None else replicas)
 
     def resumed(self, step, optimizer, scheduler, tokens):
         """After a checkpoint of `step` was loaded, with `tokens` trained by then."""
         self.start_step = step
         self.stop_at_max_tokens(tokens)
-        if step >= self.args.max_steps:  # a finished run started again: it evaluates and samples
-            last = self.args.max_steps
-            log(f"step {step} is at or past the last step, {last}: nothing left to train")
+        if step >= self.max_steps:  # a finished run started again: it evaluates and samples
+            log(f"step {step} is at or past the last step, {self.max_steps}: nothing left to train")
         self.follow_this_runs_schedule(optimizer, scheduler)
 
     def stop_at_max_tokens(self, tokens):
@@ -231,20 +337,22 @@ class Run:
             return
         left = max(0, args.max_tokens - tokens) // args.tokens_per_step
         stop = min(args.max_steps_given, step + left)
-        if stop != args.max_steps:
+        if stop != self.max_steps:
             log(
                 f"--max_tokens {args.max_tokens}: {tokens:,} tokens trained by step {step}, then "
                 f"{args.tokens_per_step:,} a step: the run stops after step {stop}"
             )
-        args.max_steps = stop
+        self.max_steps = stop
 
     def follow_this_runs_schedule(self, optimizer, scheduler):
         """The checkpoint brings back the saved run's learning rate; from here the run follows
-        this one's --learning_rate, --warmup_steps and --max_steps (unchanged flags: the same
+        this one's --learning_rate, --warmup_steps and last step (unchanged flags: the same
         rate, to the bit). Says so when the rate changes, as when a run is extended."""
         args, step = self.args, self.start_step
         saved = optimizer.param_groups[0]["lr"]
-        rate = args.learning_rate * scheduler.lr_lambdas[0](step)
+        factor = lr_factor(args.warmup_steps, self.max_steps)
+        scheduler.lr_lambdas = [factor for _ in optimizer.param_groups]
+        rate = args.learning_rate * factor(step)
         scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
         for group in optimizer.param_groups:
             group.update(initial_lr=args.learning_rate, lr=rate)
@@ -261,7 +369,7 @@ class Run:
         if self.metrics is None:
             self.open()
             if self.args.save_dir:  # refused here, before any work, rather than at the first save
-                self.disk_holds_a_checkpoint()
+                self.checkpoints.disk_holds_one(step, optimizer)
         self.lr, self.start = optimizer.param_groups[0]["lr"], time.perf_counter()
 
     @contextmanager
@@ -284,7 +392,8 @@ class Run:
     def end(self, facts, tokens):
         """After the step: what the ranks agreed on (its loss, gradient norm, whether they are
         finite, whether to stop) and the tokens trained so far (the rows served times seq_len:
-        right after a resume that changed the batch, too)."""
+        right after a resume that changed the batch, too). A step that must not go on stops the
+        run here, before anything is validated or saved."""
         tokens_per_second = self.args.tokens_per_step / (time.perf_counter() - self.start)
         if self.profiler:
             self.profiler.step()
@@ -293,117 +402,54 @@ class Run:
         self.record.update(tokens=tokens, tokens_per_second=tokens_per_second)
         if self.comm:
             self.record["comm"], self.comm = self.comm, None
-        self.check_finite(facts)
-
-    def check_finite(self, facts):
-        """train_step applied no update if the loss or the gradient norm was not finite on some
-        rank (`agree`): stop here, before anything is validated or saved, or count the skip."""
-        if facts.finite:
-            self.in_a_row = 0
-            if self.skipped:  # the log counts the skips so far
-                self.record["skipped_steps"] = self.skipped
-            return
-        args, what = self.args, "the gradient norm" if facts.loss_finite else "the loss"
-        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
-        self.record.update(skipped=True, skipped_steps=self.skipped)
-        if args.on_nonfinite == "skip" and self.in_a_row <= args.max_nonfinite_skips:
-            log(
-                f"step {self.step}: {what} is not finite on some rank; its update is skipped on "
-                f"every rank ({self.in_a_row} in a row, at most {args.max_nonfinite_skips})"
-            )
-            return
-        self.metrics.write(self.record)
-        latest = latest_checkpoint(args.save_dir) if args.save_dir else None
-        last = f"the last checkpoint, {latest}, is as it was" if latest else "no checkpoint"
-        if args.on_nonfinite == "skip":
-            what = f"{what} ({self.in_a_row} steps in a row)"
-        raise ValueError(
-            f"step {self.step}: {what} is not finite on some rank: the run stops before applying "
-            f"it and saves nothing ({last}). A lower --learning_rate or --grad_clip may help; "
-            f"--on_nonfinite skip skips such steps"
-        )
-
-    def disk_holds_a_checkpoint(self):
-        """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
-        before the first, an estimate from this rank's parameters and optimizer state (summed
-        over the ranks, less the replicas' copies). All ranks agree. With --low_disk stop a
-        checkpoint that would not fit stops the run; with skip_save the run trains on."""
-        args, latest = self.args, latest_checkpoint(self.args.save_dir)
-        if latest is not None and latest.is_dir():
-            needed = torch.tensor(float(folder_bytes(latest)), device=self.device)
-            dist.all_reduce(needed, op=dist.ReduceOp.MAX)
-        else:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            state = [t for s in self.optimizer.state.values() for t in s.values()]
-            local = sum(t.numel() * t.element_size() for t in params + state if t.dim())
-            # AdamW's two moments, before the first step has made them.
-            local += 0 if state else 2 * sum(p.numel() * p.element_size() for p in params)
-            needed = torch.tensor(float(local), device=self.device)
-            dist.all_reduce(needed)
-            needed /= self.replicas  # the ranks that hold the same weights save them once
-        folder = next(p for p in [Path(args.save_dir), *Path(args.save_dir).parents] if p.exists())
-        free = shutil.disk_usage(folder).free
-        fits = torch.tensor(float(needed.item() < free), device=self.device)
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        if fits.item() == 1.0:
-            return True
-        message = (
-            f"--save_dir {args.save_dir}: a checkpoint of step {self.step} needs about "
-            f"{needed.item():,.0f} bytes and {folder} has {free:,} free"
-        )
-        if args.low_disk == "skip_save":
-            log(f"warning: {message}; not saved (--low_disk skip_save), training goes on")
-            return False
-        raise ValueError(
-            f"{message}. Free some space, keep fewer checkpoints (--keep_last N), or pass "
-            f"--low_disk skip_save to train on without saving"
-        )
+        why = self.guard.check(facts, self.step, self.record)
+        if why:
+            self.metrics.write(self.record)
+            raise ValueError(why)
 
     def last(self):
-        return self.step == self.args.max_steps
+        return self.step == self.max_steps
 
     def should_validate(self):
         return (self.args.eval_every and self.step % self.args.eval_every == 0) or self.last()
 
     def log_step(self):
-        """The validation loss, when the step has one, and every log_every steps the step line."""
+        """Writes the step's record; prints the validation loss, when the step has one, and every
+        log_every steps the step line."""
         args, record = self.args, self.record
+        self.metrics.write(record)
         if "val_loss" in record:
-            log(f"step {self.step}/{args.max_steps} | validation loss {record['val_loss']:.4f}")
+            log(f"step {self.step}/{self.max_steps} | validation loss {record['val_loss']:.4f}")
         if self.step % args.log_every == 0 or self.last():
             flops_per_second = self.flops * record["tokens_per_second"]
             log(
-                f"step {self.step}/{args.max_steps} | loss {record['loss']:.4f}"
+                f"step {self.step}/{self.max_steps} | loss {record['loss']:.4f}"
                 f" | lr {record['lr']:.2e} | grad_norm {record['grad_norm']:.3f}"
                 f" | {record['tokens_per_second']:,.0f} tok/s"
                 f" | {throughput(flops_per_second, self.peak)}"
             )
 
     def should_save(self):
-        """Writes the step's record: a checkpoint is due every save_every steps, at the last
-        step, and when SIGTERM came to some rank (the step's facts), if the disk holds it. Older
-        checkpoints beyond --keep_last go first."""
-        self.metrics.write(self.record)
-        due = self.step % self.args.save_every == 0 or self.last() or self.stopped
-        if not (self.args.save_dir and due):
-            return False
-        if self.args.keep_last and dist.get_rank() == 0:  # room for the one about to be written
-            prune_checkpoints(self.args.save_dir, self.args.keep_last - 1)
-        return self.disk_holds_a_checkpoint()
+        """Every save_every steps, at the last step, and when SIGTERM came to some rank (the
+        step's facts)."""
+        return self.checkpoints.due(self.step, self.last(), self.stopped)
+
+    def save(self, write, *args):
+        """`write(*args)` writes the checkpoint if the disk holds it, after --keep_last prunes."""
+        self.checkpoints.save(self.step, self.optimizer, lambda: write(*args))
 
     def should_stop(self):
-        if self.stopped:
-            step = self.step
-            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
         return self.stopped
 
     def close(self):
         """After the loop. A run shorter than the profiler's schedule writes what it recorded."""
+        if self.stopped:
+            step = self.step
+            log(f"stopped by SIGTERM after step {step}; with --save_dir, --resume continues it")
         if self.metrics is None:  # no step was left to train
             self.open()
         self.metrics.close()
-        if self.args.save_dir and self.args.keep_last and dist.get_rank() == 0:
-            prune_checkpoints(self.args.save_dir, self.args.keep_last)
+        self.checkpoints.close()
         if self.profiler:
             self.profiler.stop()
             log(f"profile: one trace per rank in {self.args.profile}")

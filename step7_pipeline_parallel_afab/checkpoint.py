@@ -35,9 +35,10 @@ def shard_name(pgm):
     return f"pp{pgm.pp_rank}-of-{pgm.pp_size}-tp{pgm.tp_rank}-of-{pgm.tp_size}"
 
 
-def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm):
-    """Called on every rank. Each tensor-parallel rank writes its shard, then rank 0 renames."""
-    save_dir = Path(save_dir)
+def save_checkpoint(ctx, state, step):
+    """Called on every rank, with the run's context and what it trains (train.py's `Context` and
+    `State`). Each tensor-parallel rank writes its shard, then rank 0 renames."""
+    save_dir, model, pgm = Path(ctx.args.save_dir), state.model, ctx.pgm
     final, tmp = save_dir / f"step_{step:06d}", save_dir / f".step_{step:06d}.tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -45,7 +46,8 @@ def save_checkpoint(save_dir, step, model, optimizer, scheduler, loader, pgm):
         model.config.save_pretrained(tmp)  # the full model's shape, for export and sampling
     dist.barrier()
     if pgm.dp_rank == 0:  # any other replicas hold the same shards
-        write_state(tmp, shard_name(pgm), step, model, optimizer, scheduler, loader)
+        parts = state.optimizer, state.scheduler, state.train_loader
+        write_state(tmp, shard_name(pgm), step, model, *parts)
     dist.barrier()  # every shard is complete before the folder becomes the latest checkpoint
     if dist.get_rank() == 0:
         if final.exists():  # saving the same step again, after a resume
@@ -133,9 +135,9 @@ def check_same_model(path, config):
         )
 
 
-def load_checkpoint(path, model, optimizer, scheduler, loader, device, pgm):
+def load_checkpoint(ctx, state, path):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
-    path, shard = Path(path), shard_name(pgm)
+    path, shard, model, device = Path(path), shard_name(ctx.pgm), state.model, ctx.device
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, shard)  # every rank's shard, so that each rank checks them all
     if path.is_dir() and not any((path / f"model-{s}.safetensors").exists() for s in shards):
@@ -148,12 +150,12 @@ def load_checkpoint(path, model, optimizer, scheduler, loader, device, pgm):
     check_complete(path, [name for pair in files for name in pair])
     check_same_model(path, model.config)
     load_model(model, str(path / f"model-{shard}.safetensors"), device=str(device))
-    state = torch.load(path / f"trainer_state-{shard}.pt", map_location=device, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["data"])
-    torch.set_rng_state(state["rng"]["cpu"].cpu())
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
-    log(f"resumed from {path} at step {state['step']}")
-    return state["step"]
+    saved = torch.load(path / f"trainer_state-{shard}.pt", map_location=device, weights_only=True)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.train_loader.load_state_dict(saved["data"])
+    torch.set_rng_state(saved["rng"]["cpu"].cpu())
+    if "cuda" in saved["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in saved["rng"]["cuda"]])
+    log(f"resumed from {path} at step {saved['step']}")
+    return saved["step"]

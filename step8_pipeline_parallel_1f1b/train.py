@@ -4,7 +4,9 @@ torchrun --nproc_per_node 4 step8_pipeline_parallel_1f1b/train.py --pp_size 4 --
 """
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,35 @@ from tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
+
+
+class Context(NamedTuple):
+    """What every part of the run reads and nothing changes: the flags (complete once parsed,
+    never written after), the device, the autocast dtype and the grid of ranks."""
+
+    args: object
+    device: torch.device
+    dtype: torch.dtype
+    pgm: ProcessGroupManager
+
+
+@dataclass
+class State:
+    """What the run trains with: the model as built (its parameters, which checkpoints save), its
+    stage's forward (evaluation and sampling call it) and what the step calls (compiled, data
+    parallel), the optimizer with its schedule, the loaders, the tokenizer; the tied embedding's
+    two copies and the (B, T, D) activations between stages."""
+
+    model: torch.nn.Module
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokenizer: object
+    train_loader: MicroBatchDataLoader
+    val_loader: MicroBatchDataLoader
+    stage: torch.nn.Module
+    tied: TiedEmbeddings
+    shape: tuple
 
 
 def parse_args(argv=None):
@@ -83,8 +114,9 @@ def setup_distributed(args):
 
 
 ### end Process groups
-def build_model(config, device, seed, pgm):
+def build_model(ctx, config):
     """Build on the meta device (no memory), allocate on `device`, then initialise from the seed."""
+    args, device, dtype, pgm = ctx
     ### begin Tensor parallelism
     check_tensor_parallel(config, pgm.tp_size)
     check_pipeline_parallel(config, pgm.pp_size)
@@ -97,12 +129,13 @@ def build_model(config, device, seed, pgm):
     model.to_empty(device=device)
     if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
         model.tie_weights()
-    model.init_weights(seed)
+    model.init_weights(args.seed)
     return model
 
 
-def build_optimizer(model, args, device):
+def build_optimizer(ctx, model):
     """AdamW, weight decay on matrices only (not norms); linear warm-up, cosine decay to 10 %."""
+    args, device, dtype, pgm = ctx
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
@@ -114,8 +147,9 @@ def build_optimizer(model, args, device):
 
 
 ### begin Data
-def build_data(args, config, device, pgm):
+def build_data(ctx, config):
     """The tokenizer and loaders for the training rows (shuffled) and the validation rows."""
+    args, device, dtype, pgm = ctx
     tokenizer, train, validation = load_data(args, config.vocab_size)
     ### begin Data parallelism
     shard = {"dp_rank": pgm.dp_rank, "dp_size": pgm.dp_size}  # each dp rank its micro-batches
@@ -137,9 +171,11 @@ def loss_fn(logits, targets, pgm):
     ### end Tensor parallelism
 
 
-def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, pgm, shape, tied):
-    """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm.
-    `shape`: the (B, T, D) activations between stages; `tied`: the embedding's two copies."""
+def train_step(ctx, state, micro_batches):
+    """One optimizer step over the micro-batches of a batch; returns the mean loss and grad norm."""
+    args, device, dtype, pgm = ctx
+    model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
+    shape, tied = state.shape, state.tied
     model.zero_grad(set_to_none=True)
     ### begin Pipeline parallelism
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
@@ -164,9 +200,11 @@ def train_step(model, micro_batches, optimizer, scheduler, args, device, dtype, 
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, device, dtype, pgm, shape):
+def evaluate(ctx, state):
     """The mean loss over the first --eval_steps validation micro-batches, the same every time;
     dp rank r evaluates micro-batches r, r + dp_size, ... of them."""
+    args, device, dtype, pgm = ctx
+    model, loader, shape = state.stage, state.val_loader, state.shape
     model.eval()
     loader.load_state_dict({"position": 0})
     total = torch.zeros((), device=device)
@@ -183,12 +221,13 @@ def evaluate(model, loader, args, device, dtype, pgm, shape):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, args, pgm, hidden_size, top_k=20, temperature=0.8):
+def sample(ctx, state, top_k=20, temperature=0.8):
     """Continue --sample_prompt by --sample_tokens tokens, sampling among the top-k next ones.
     Every tp rank gathers the full logits and draws from the same generator, so all pick the same
     token; the last stage then sends it to the other stages."""
+    args, device, dtype, pgm = ctx
+    model, tokenizer, hidden_size = state.stage, state.tokenizer, state.model.config.hidden_size
     model.eval()
-    device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(args.seed)
     prompt = tokenizer.encode(args.sample_prompt, add_special_tokens=False)
     ids = torch.tensor([prompt], device=device)  # (1, T)
@@ -214,12 +253,13 @@ def main(argv=None):
     pgm, device = setup_distributed(args)
     log(pgm, all_ranks=True)
     dtype = resolve_dtype(args.dtype, device)
+    ctx = Context(args, device, dtype, pgm)
     set_seed(args.seed)
     config = load_config(args)
     # Per device: all world_size devices share the work of the step's tokens.
     run = Run(args, device, flops_per_token(config, args.seq_len) / pgm.world_size, pgm)
-    model = build_model(config, device, args.seed, pgm)
-    optimizer, scheduler = build_optimizer(model, args, device)
+    model = build_model(ctx, config)
+    optimizer, scheduler = build_optimizer(ctx, model)
     ### begin Pipeline parallelism
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
@@ -233,29 +273,28 @@ def main(argv=None):
     ### end Data parallelism
     params = sum(p.numel() for p in model.parameters())
     log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")
-    tokenizer, train_loader, val_loader = build_data(args, config, device, pgm)
+    data = build_data(ctx, config)  # the tokenizer and the loaders
+    state = State(model, wrapped, optimizer, scheduler, *data, stage, tied, shape)
     checkpoint = find_checkpoint(args)
     if checkpoint:
-        step = load_checkpoint(checkpoint, model, optimizer, scheduler, train_loader, device, pgm)
-        run.resumed(step, optimizer, scheduler, train_loader.position * args.seq_len)
-    for step in range(run.start_step + 1, args.max_steps + 1):
+        step = load_checkpoint(ctx, state, checkpoint)
+        run.resumed(step, optimizer, scheduler, state.train_loader.position * args.seq_len)
+    for step in range(run.start_step + 1, run.max_steps + 1):
         run.begin(step, optimizer)
-        batch = [next(train_loader) for _ in range(args.gradient_accumulation_steps)]
+        batch = [next(state.train_loader) for _ in range(args.gradient_accumulation_steps)]
         with run.communication():  # --comm_stats: what the step sends
-            facts = train_step(
-                wrapped, batch, optimizer, scheduler, args, device, dtype, pgm, shape, tied
-            )
-        run.end(facts, train_loader.position * args.seq_len)
+            facts = train_step(ctx, state, batch)
+        run.end(facts, state.train_loader.position * args.seq_len)
         if run.should_validate():
-            run.record["val_loss"] = evaluate(stage, val_loader, args, device, dtype, pgm, shape)
+            run.record["val_loss"] = evaluate(ctx, state)
         run.log_step()
         if run.should_save():
-            save_checkpoint(args.save_dir, step, model, optimizer, scheduler, train_loader, pgm)
+            run.save(save_checkpoint, ctx, state, step)
         if run.should_stop():
             break
     run.close()
     if not run.stopped:  # the seconds before the cluster kills the job go to the checkpoint only
-        log(f"sample: {sample(stage, tokenizer, args, pgm, config.hidden_size)!r}")
+        log(f"sample: {sample(ctx, state)!r}")
     dist.destroy_process_group()
 
 

@@ -208,15 +208,16 @@ def test_a_restarted_try_does_not_read_the_last_ones_addresses(tmp_path):
 def test_a_crash_mid_save_leaves_the_latest_checkpoint_whole(tmp_path, monkeypatch):
     train = import_step("step3_dataloader", "train")
     checkpoint, data = sys.modules["checkpoint"], sys.modules["dataloader"]
-    args = train.parse_args([*TINY])
+    args = train.parse_args([*TINY, "--save_dir", str(tmp_path)])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     umask = os.umask(0o027)  # a group may read: every file of a checkpoint is then 0640
     try:
-        model = train.build_model(train.load_config(args), torch.device("cpu"), seed=0)
-        optimizer, scheduler = train.build_optimizer(model, args, torch.device("cpu"))
+        ctx = train.Context(args, torch.device("cpu"), torch.float32, pgm=None)
+        model = train.build_model(ctx, train.load_config(args))
+        optimizer, scheduler = train.build_optimizer(ctx, model)
         loader = data.MicroBatchDataLoader(list(range(8)), 2, 0, "cpu")
-        parts = (model, optimizer, scheduler, loader)
-        checkpoint.save_checkpoint(tmp_path, 1, *parts)
+        state = train.State(model, model, optimizer, scheduler, None, loader, None)
+        checkpoint.save_checkpoint(ctx, state, 1)
         write_state = checkpoint.write_state
 
         def dies_after_the_weights(folder, *rest):
@@ -225,15 +226,13 @@ def test_a_crash_mid_save_leaves_the_latest_checkpoint_whole(tmp_path, monkeypat
 
         monkeypatch.setattr(checkpoint, "write_state", dies_after_the_weights)
         with pytest.raises(RuntimeError, match="killed while saving"):
-            checkpoint.save_checkpoint(tmp_path, 2, *parts)
+            checkpoint.save_checkpoint(ctx, state, 2)
         assert (tmp_path / "latest").read_text() == "step_000001"
         assert not (tmp_path / "step_000002").exists()
         assert (tmp_path / ".step_000002.tmp" / "model.safetensors").exists()  # the half save
-        assert (
-            checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path), *parts, "cpu") == 1
-        )
+        assert checkpoint.load_checkpoint(ctx, state, checkpoint.latest_checkpoint(tmp_path)) == 1
         monkeypatch.undo()
-        checkpoint.save_checkpoint(tmp_path, 2, *parts)  # the next save replaces the half one
+        checkpoint.save_checkpoint(ctx, state, 2)  # the next save replaces the half one
         assert (tmp_path / "latest").read_text() == "step_000002"
         assert not (tmp_path / ".step_000002.tmp").exists()
         assert_weights_readable_as_config(tmp_path / "step_000002")

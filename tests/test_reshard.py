@@ -152,8 +152,15 @@ def tiny_config():
 
 
 def test_the_reference_checkpoint_passes_the_checks(reference):
-    index = checkpoint_module().check_checkpoint(reference[1], tiny_config())
+    index = checkpoint_module().check_checkpoint(reference[1])
     assert index["layout"] == {"tp_size": 2, "pp_size": 2, "dp_size": 1}
+    assert index["model"]["model.layers.0.self_attn.o_proj.weight"] == {
+        "shape": [64, 64],
+        "pieces": [
+            {"file": "model-pp0-of-2-tp0-of-2.safetensors", "start": [0, 0], "size": [64, 32]},
+            {"file": "model-pp0-of-2-tp1-of-2.safetensors", "start": [0, 32], "size": [64, 32]},
+        ],
+    }
     assert_weights_readable_as_config(reference[1])
 
 
@@ -186,14 +193,75 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, reference, damage, message):
     else:
         (folder / "index.json").write_text('{"model": {}}')
     with pytest.raises(ValueError, match=message):
-        checkpoint_module().check_checkpoint(folder, tiny_config())
+        checkpoint_module().check_checkpoint(folder)
 
 
 def test_a_checkpoint_of_another_model_is_refused(reference):
+    """Against the model the run built (here one process's, on the meta device), before any
+    weight is read."""
     config = tiny_config()
     config.num_hidden_layers = 3
+    with torch.device("meta"):
+        model = import_step(STEP, "model").LlamaForCausalLM(config)
+    checkpoint = checkpoint_module()
+    index = checkpoint.check_checkpoint(reference[1])
     with pytest.raises(ValueError, match=r"another model .*3 layers.*missing \[model\.layers\.2"):
-        checkpoint_module().check_checkpoint(reference[1], config)
+        checkpoint.check_model(reference[1], index, model)
+
+
+def test_the_trainer_refuses_a_checkpoint_without_a_tensor_of_its_model(tmp_path, reference):
+    """The last stage's final norm missing from index.json: the run (one process) stops with
+    exit status 2 and the message, once the model is built and before any weight is read."""
+    run_dir = copy_checkpoint(reference[1], tmp_path / "run")
+    index = json.loads((run_dir / "step_000006" / "index.json").read_text())
+    del index["model"]["model.norm.weight"]
+    (run_dir / "step_000006" / "index.json").write_text(json.dumps(index))
+    result = run_step(STEP, [*COMMON, "--save_dir", str(run_dir), "--resume"], torchrun=False)
+    assert result.returncode == 2, result.stderr
+    assert "holds another model than this one (2 layers" in result.stderr
+    assert "missing [model.norm.weight], unexpected [], other shapes []" in result.stderr
+    assert "Traceback" not in result.stderr and "resumed from" not in result.stdout
+
+
+def earlier_format(index):
+    """index.json as it was written before the boxes: one split "dim" per tensor (None when whole),
+    and an integer start and size along it."""
+    for entry in (e for section in ["model", "optimizer"] for e in index[section].values()):
+        pieces = entry["pieces"]
+        split = {d for p in pieces for d, n in enumerate(p["size"]) if n != entry["shape"][d]}
+        assert len(split) <= 1, entry  # this layout splits each tensor on one dim at most
+        entry["dim"] = dim = next(iter(split), None)
+        entry["pieces"] = [
+            {"file": p["file"], "start": 0, "size": None}
+            if dim is None
+            else {"file": p["file"], "start": p["start"][dim], "size": p["size"][dim]}
+            for p in pieces
+        ]
+    return index
+
+
+def test_a_checkpoint_of_the_earlier_index_resumes(tmp_path, reference):
+    """An index.json of the earlier format is read as boxes (by steps 9, 10 and 11, and by
+    tools/export_hf.py): the same index, the same exported model, and a resume in one process
+    trains on exactly like the run that did not stop."""
+    records, step_6 = reference
+    folder = shutil.copytree(step_6, tmp_path / "old" / "step_000006")
+    index = json.loads((folder / "index.json").read_text())
+    old = earlier_format(json.loads((folder / "index.json").read_text()))
+    assert old["model"]["model.norm.weight"] == {
+        "shape": [64],
+        "dim": None,
+        "pieces": [{"file": "model-pp1-of-2-tp0-of-2.safetensors", "start": 0, "size": None}],
+    }
+    (folder / "index.json").write_text(json.dumps(old))
+    for step in [STEP, "step10_zero1", "step11_context_parallel"]:
+        assert import_step(step, "checkpoint").check_checkpoint(folder) == index, step
+    new, _ = export_tool().load_merged_state_dict(step_6)
+    converted, _ = export_tool().load_merged_state_dict(folder)
+    assert new.keys() == converted.keys()
+    assert all(torch.equal(new[key], converted[key]) for key in new)
+    resumed, _ = resume("old", tmp_path, folder, *layout(), 12)
+    assert_same_training(resumed, records[6:])
 
 
 def test_an_old_checkpoint_is_refused_with_how_to_convert_it(tmp_path):
@@ -202,7 +270,7 @@ def test_an_old_checkpoint_is_refused_with_how_to_convert_it(tmp_path):
         save_file({"x": torch.zeros(1)}, tmp_path / f"model-{shard}.safetensors")
         torch.save({"step": 6}, tmp_path / f"trainer_state-{shard}.pt")
     with pytest.raises(ValueError, match="earlier format") as error:
-        checkpoint_module().check_checkpoint(tmp_path, tiny_config())
+        checkpoint_module().check_checkpoint(tmp_path)
     assert f"tools/export_hf.py {tmp_path} {tmp_path}-hf" in str(error.value)
     assert f"--init_from_hf {tmp_path}-hf" in str(error.value)
 
@@ -255,7 +323,7 @@ def test_export_reads_the_index_and_refuses_what_the_model_would_not_use(tmp_pat
         export_hf.load_merged_state_dict(folder)
     index = json.loads((folder / "index.json").read_text())
     file = "model-pp1-of-2-tp1-of-2.safetensors"
-    index["model"][extra] = {"shape": [2], "dim": None, "pieces": [{"file": file, "start": 0}]}
+    index["model"][extra] = {"shape": [2], "pieces": [{"file": file, "start": [0], "size": [2]}]}
     (folder / "index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=rf"unexpected \[{extra}\]"):
         export_hf.load_merged_state_dict(folder)

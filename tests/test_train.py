@@ -1,6 +1,9 @@
 """Each step's train.py runs end to end; step 3 resumes exactly and logs to a file and to W&B."""
 
+import json
 import re
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,7 +69,8 @@ def test_step3_resume_gives_identical_losses(tmp_path):
                    *flags, steps=30)  # fmt: skip
     train = import_step("step3_dataloader", "train")
     args = train.parse_args([*TINY, "--max_steps", "30", *flags])
-    _, schedule = train.build_optimizer(torch.nn.Linear(2, 2), args, torch.device("cpu"))
+    ctx = train.Context(args, torch.device("cpu"), torch.float32, pgm=None)
+    _, schedule = train.build_optimizer(ctx, torch.nn.Linear(2, 2))
     rates = [6e-3 * schedule.lr_lambdas[0](step - 1) for step in range(11, 31)]
     assert [r["lr"] for r in read_log(longer)] == rates
     assert f"the learning rate of step 11 is {rates[0]:.3e}" in result.stdout
@@ -103,3 +107,45 @@ def test_step3_on_two_ranks_stops_at_max_tokens(tmp_path):
     result = step3(tmp_path, "--dp_size", "2", "--max_tokens", "200", steps=20, nproc=2)
     assert "sample:" in result.stdout
     assert sorted(losses(result.stdout)) == [1, 2, 3]
+
+
+def test_the_run_reads_the_flags_and_its_questions_change_nothing(tmp_path):
+    """Run never writes the flags (a resume with --max_tokens moves `run.max_steps` and the
+    schedule's horizon, not args.max_steps), and its questions (`should_...`) write, prune and
+    send nothing: the record is written by `log_step`, old checkpoints go in `save`."""
+    import torch.distributed as dist
+
+    train = import_step("step3_dataloader", "train")
+    bookkeeping = sys.modules["bookkeeping"]
+    save_dir, log_file = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    flags = ["--max_steps", "20", "--max_tokens", str(10 * 64), "--save_every", "1"]
+    flags += ["--save_dir", str(save_dir), "--keep_last", "1", "--log_file", str(log_file)]
+    args = train.parse_args([*TINY, *flags])
+    given = dict(vars(args))
+    assert args.max_steps == 10  # 64 tokens a step: 2 rows of 32
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ctx = train.Context(args, torch.device("cpu"), torch.float32, pgm=None)
+        optimizer, scheduler = train.build_optimizer(ctx, torch.nn.Linear(2, 2))
+        run = bookkeeping.Run(args, torch.device("cpu"), 1.0, SimpleNamespace(dp_size=1))
+        run.resumed(4, optimizer, scheduler, tokens=4 * 32)  # a run of half this one's batch
+        assert run.max_steps == 4 + (10 * 64 - 4 * 32) // 64 == 12
+        assert scheduler.lr_lambdas[0](run.max_steps) == pytest.approx(0.1)  # the cosine's end
+        for old in ["step_000001", "step_000002"]:
+            (save_dir / old).mkdir(parents=True)
+        (save_dir / "latest").write_text("step_000002")
+        run.begin(5, optimizer)
+        facts = bookkeeping.Facts(7.0, 1.0, True, True, False)
+        run.end(facts, tokens=4 * 32 + 64)
+        for _ in range(3):
+            assert run.should_validate() is False and run.should_save() and not run.should_stop()
+        assert log_file.read_text() == "" and (save_dir / "step_000001").exists()
+        run.log_step()
+        assert [json.loads(line)["step"] for line in log_file.read_text().splitlines()] == [5]
+        run.save(lambda: (save_dir / "step_000005").mkdir())
+        kept = sorted(p.name for p in save_dir.iterdir())
+        assert kept == ["latest", "step_000002", "step_000005"]  # the latest one is never pruned
+        run.close()
+    finally:
+        dist.destroy_process_group()
+    assert vars(args) == given

@@ -11,8 +11,9 @@ sets of keys, so merging stages is a union; tensor-parallel ranks hold slices of
 merging ranks is a concatenation along the dimension each weight was split on (SPLIT_DIM).
 
 Steps 9-11's checkpoints (those with an index.json) name the same files, but the index says where
-each slice of each tensor lies (file, split dimension, offset); weights that every tp rank holds
-whole are stored once, and the optimizer's files beside them are not read here.
+each piece of each tensor lies (its file, and the box it fills: a start and a size per dimension);
+weights that every tp rank holds whole are stored once, and the optimizer's files beside them are
+not read here.
 
     python tools/export_hf.py checkpoints/run out/hf --tokenizer tinytales
 """
@@ -20,6 +21,7 @@ whole are stored once, and the optimizer's files beside them are not read here.
 import argparse
 import copy
 import json
+import math
 import re
 import shutil
 import sys
@@ -172,14 +174,16 @@ def merge_shards(pp_size, tp_size, shards):
 
 
 def read_indexed(folder):
-    """The full weights of a checkpoint with an index.json: each tensor is the concatenation of
-    its pieces along the dim the index gives, or its one piece. Returns (state dict, layout)."""
+    """The full weights of a checkpoint with an index.json: each tensor put together from its
+    pieces, each in the box the index gives it. Returns (state dict, layout)."""
     try:
         index = json.loads((folder / "index.json").read_text())
     except ValueError as error:  # cut short, or edited by hand
         raise ValueError(f"{folder}/index.json is not valid JSON ({error})") from error
     files = {}
     for key, entry in index["model"].items():
+        if "dim" in entry:  # written before the index held boxes
+            as_boxes(entry)
         for piece in entry["pieces"]:
             files.setdefault(piece["file"], []).append(key)
     state_dict = {}
@@ -199,14 +203,39 @@ def read_indexed(folder):
         for key in keys:
             state_dict.setdefault(key, {})[file] = handle.get_tensor(key)
     for key, entry in index["model"].items():
-        pieces = [state_dict[key][piece["file"]] for piece in entry["pieces"]]
-        state_dict[key] = pieces[0] if entry["dim"] is None else torch.cat(pieces, entry["dim"])
-        if list(state_dict[key].shape) != entry["shape"]:
-            raise ValueError(
-                f"{key}: its pieces make {list(state_dict[key].shape)}, index.json says "
-                f"{entry['shape']}"
-            )
+        state_dict[key] = put_together(key, entry, state_dict[key])
     return state_dict, index["layout"]
+
+
+def as_boxes(entry):
+    """An entry of the earlier index, split along one "dim" (None: one piece, the whole tensor)
+    with a "start" and a "size" along it, given a box per piece instead."""
+    dim, shape = entry.pop("dim"), entry["shape"]
+    for piece in entry["pieces"]:
+        start, size = [0] * len(shape), list(shape)
+        if dim is not None:
+            start[dim], size[dim] = piece["start"], piece["size"]
+        piece.update(start=start, size=size)
+
+
+def put_together(key, entry, tensors):
+    """The full tensor of an index entry, from its pieces ({file: tensor}) each put in its box."""
+    shape, full, filled = entry["shape"], None, 0
+    for piece in entry["pieces"]:
+        tensor, start, size = tensors[piece["file"]], piece["start"], piece["size"]
+        inside = all(0 <= s <= m - n for s, n, m in zip(start, size, shape, strict=True))
+        if list(tensor.shape) != size or not inside:
+            raise ValueError(
+                f"{key}: {piece['file']} holds {list(tensor.shape)}, which index.json puts at "
+                f"{start} of {shape} with size {size}"
+            )
+        if full is None:
+            full = torch.empty(shape, dtype=tensor.dtype)
+        full[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))] = tensor
+        filled += tensor.numel()
+    if filled != math.prod(shape):
+        raise ValueError(f"{key}: its pieces hold {filled} values, index.json says {shape}")
+    return full
 
 
 def drop_tied_head(state_dict, config):
