@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from steps import step_modules  # noqa: E402
+from steps import STEP_NAME, step_modules  # noqa: E402
 
 STEP_MODULES = step_modules(ROOT)
 # A model small enough for a 2-core machine; the vocabulary comes from assets/configs/tiny.
@@ -30,15 +30,64 @@ TINY = [
 ]  # fmt: skip
 
 
+# `pytest --step DIR tests/...` tests DIR, a copy of a step's folder with the same name
+# (tools/exercise.py makes one for the learner to fill in), wherever a test would use that step's
+# folder. An environment variable carries it, so that every process started from here sees it too:
+# the ranks of `spawn` (which import this file afresh), a run of train.py, a pytest that a test
+# starts. Set by hand, the variable does what the option does. (Without a test path, write
+# `--step=DIR`: pytest reads its options before it finds this file, and would take DIR alone for
+# the tests to run.)
+STEP_DIR = "PICO3D_STEP_DIR"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--step",
+        metavar="DIR",
+        help="test DIR, a copy of a step's folder named like it (exercises/step4_tensor_parallel), "
+        "instead of that step's folder",
+    )
+
+
+def pytest_configure(config):
+    folder = config.getoption("--step") or os.environ.get(STEP_DIR)
+    if not folder:
+        return
+    path = Path(folder).resolve()
+    if not path.is_dir():
+        raise pytest.UsageError(f"--step {folder}: no such folder")
+    if not STEP_NAME.fullmatch(path.name) or not (ROOT / path.name).is_dir():
+        raise pytest.UsageError(
+            f"--step {folder}: the copy must be named like the step's folder it replaces "
+            f"(step4_tensor_parallel, ...), not {path.name}"
+        )
+    os.environ[STEP_DIR] = str(path)
+
+
+def pytest_report_header(config):
+    if os.environ.get(STEP_DIR):
+        path = Path(os.environ[STEP_DIR])
+        return f"{path.name} is tested in {path} (--step)"
+
+
+def step_dir(step):
+    """Where the tests find step folder `step`: ROOT / step, or the copy that --step names."""
+    copy = os.environ.get(STEP_DIR)
+    if copy and Path(copy).name == step:
+        return Path(copy)
+    return ROOT / step
+
+
 def import_step(step, name):
     """Import module `name` of step folder `step` (the steps share module names)."""
     for module in STEP_MODULES:
         sys.modules.pop(module, None)
-    sys.path.insert(0, str(ROOT / step))
+    folder = str(step_dir(step))
+    sys.path.insert(0, folder)
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(ROOT / step))
+        sys.path.remove(folder)
 
 
 # What torchrun does for one node, with the libraries imported once and the ranks forked
@@ -83,7 +132,7 @@ def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=Tru
     """Run step/train.py with `nproc` processes, as torchrun starts them (`torchrun=False`: one,
     as plain python does), forked by tests/launch.py (`fork=False`: started by torchrun or python
     themselves); returns the CompletedProcess."""
-    script = str(ROOT / step / "train.py")
+    script = str(step_dir(step) / "train.py")
     if torchrun:
         command = [*(LAUNCH if fork else TORCHRUN), f"--nproc_per_node={nproc}", script, *args]
     else:
@@ -102,6 +151,42 @@ def check(result):
 
 def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def assert_matches(actual, expected, what, *, rtol, atol, reference="one device"):
+    """torch.testing.assert_close, failing with what a learner looks at first: `what` (the function
+    to look at, and the tensor), the first element that differs and both its values, how many
+    differ, and the rank that saw it:
+    `ColumnParallelLinear.forward: output[0, 3, 17] is 0.1234, one device gives 0.5678 (max |diff|
+    0.8 over 12 of 2048 elements, rank 1 of 2)`."""
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as error:
+        rank = ""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rank = f", rank {dist.get_rank()} of {dist.get_world_size()}"
+        if not (isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor)):
+            raise AssertionError(f"{what}{rank}: {error}") from None
+        if actual.shape != expected.shape:
+            raise AssertionError(
+                f"{what} has shape {tuple(actual.shape)}, {reference} gives "
+                f"{tuple(expected.shape)}{rank}"
+            ) from None
+        if actual.dtype != expected.dtype:
+            raise AssertionError(
+                f"{what} is {actual.dtype}, {reference} gives {expected.dtype}{rank}"
+            ) from None
+        a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+        wrong = ~torch.isclose(a, e, rtol=rtol, atol=atol)  # assert_close's own criterion
+        if not wrong.any():  # another difference (the device): assert_close's words
+            raise AssertionError(f"{what}{rank}: {error}") from None
+        first = tuple(int(i) for i in wrong.nonzero()[0])
+        where = f"[{', '.join(map(str, first))}]" if first else ""
+        diff = (a - e).abs()[wrong].max().item()
+        raise AssertionError(
+            f"{what}{where} is {a[first].item():.6g}, {reference} gives {e[first].item():.6g} "
+            f"(max |diff| {diff:.3g} over {int(wrong.sum())} of {a.numel()} elements{rank})"
+        ) from None
 
 
 def assert_weights_readable_as_config(folder):
@@ -147,7 +232,7 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
         store = str(tmp_path / f"store-{time.monotonic_ns()}")
         context = mp.start_processes(
             _init_and_run,
-            (step, world, store, fn, args),
+            (str(step_dir(step)), world, store, fn, args),
             world,
             join=False,
             start_method="forkserver",
@@ -176,12 +261,12 @@ def spawn(step, fn, world, tmp_path, *args, timeout=180, tries=2):
             print(f"retrying {fn.__name__}: {error}", file=sys.stderr)
 
 
-def _init_and_run(rank, step, world, store_path, fn, args):
+def _init_and_run(rank, folder, world, store_path, fn, args):
     stack = open(f"{store_path}-stack{rank}", "w")  # noqa: SIM115 (written until the process ends)
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)  # asked for on a timeout
-    for module in STEP_MODULES:  # what fn imports comes from `step`
+    for module in STEP_MODULES:  # what fn imports comes from the step's folder
         sys.modules.pop(module, None)
-    sys.path.insert(0, str(ROOT / step))
+    sys.path.insert(0, folder)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

@@ -16,7 +16,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import LAUNCH, ROOT, TINY, check
+from conftest import LAUNCH, ROOT, TINY, check, step_dir
 
 S6, S9, S11 = "step6_data_parallel_bucket", "step9_3d_parallel", "step11_context_parallel"
 RUN = [*TINY, "--num_proc", "1", "--max_steps", "3", "--gradient_accumulation_steps", "2"]
@@ -92,7 +92,7 @@ def count(tmp_path, step, args, nproc):
     launcher.write_text(COUNTER.format())
     out = tmp_path / "counts"
     out.mkdir()
-    command = [*LAUNCH, f"--nproc_per_node={nproc}", str(launcher), str(ROOT / step), str(out)]
+    command = [*LAUNCH, f"--nproc_per_node={nproc}", str(launcher), str(step_dir(step)), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [*command, *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT

@@ -6,7 +6,8 @@ count and every flag as written (its ranks started as torchrun starts them on on
 tests/launch.py), only the model shrunk to test size (TINY, with enough layers and heads for the
 pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a comment
 as needing a GPU, the network or two nodes is checked but not run; so are the
-convergence harness's commands (tests/test_convergence.py runs the harness). tools/README.md
+convergence harness's commands (tests/test_convergence.py runs the harness) and the exercise
+tool's (tests/test_exercise.py runs it). tools/README.md
 contributes its convergence commands; its other examples name placeholder checkpoints.
 
 The commands of one README share a working folder, in order: a command that reads a checkpoint
@@ -79,7 +80,9 @@ class Command:
 
     @property
     def runs(self):
-        return not self.marked and not self.script.endswith("convergence.py")
+        # tests/test_exercise.py runs the exercise tool (a grade here would run the tests again).
+        skipped = ("convergence.py", "exercise.py")
+        return not self.marked and not self.script.endswith(skipped)
 
     @property
     def writes(self):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import LAUNCH, ROOT, TINY, check, import_step, read_log, run_step
+from conftest import LAUNCH, ROOT, TINY, check, import_step, read_log, run_step, step_dir
 
 S3, S5, S9 = "step3_dataloader", "step5_data_parallel_naive", "step9_3d_parallel"
 RUN = [*TINY, "--num_proc", "1", "--sample_tokens", "4", "--eval_steps", "1", "--eval_every", "0"]
@@ -82,7 +82,7 @@ train.train_step = train_step
 def launch(tmp_path, step, patch, args, nproc):
     launcher = tmp_path / f"launch_{time.monotonic_ns()}.py"
     launcher.write_text(LAUNCHER.format(patch=patch))
-    command = [*LAUNCH, f"--nproc_per_node={nproc}", str(launcher), str(ROOT / step), *args]
+    command = [*LAUNCH, f"--nproc_per_node={nproc}", str(launcher), str(step_dir(step)), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 

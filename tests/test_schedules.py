@@ -9,7 +9,7 @@ import textwrap
 from unittest import mock
 
 import pytest
-from conftest import ROOT, import_step
+from conftest import ROOT, import_step, step_dir
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
@@ -127,7 +127,7 @@ def test_stages_find_their_neighbours_around_the_ring():
 
 
 def table(step, *args):
-    script = ROOT / step / "pipeline_parallel.py"
+    script = step_dir(step) / "pipeline_parallel.py"
     return subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
 
 

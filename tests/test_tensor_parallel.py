@@ -5,77 +5,115 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
+from conftest import (
+    TINY,
+    assert_matches,
+    assert_same_training,
+    check,
+    import_step,
+    read_log,
+    run_step,
+    spawn,
+)
 
 STEP = "step4_tensor_parallel"
 tp_lib = import_step(STEP, "tensor_parallel")
 
 
 def close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    assert_matches(actual, expected, what, rtol=1e-5, atol=1e-6)
 
 
-def layers_worker(rank, world, batch_shape):
-    import tensor_parallel as tp
+# Each layer against its dense reference, forward and backward, on every rank, from the same
+# inputs: x (.., D), and token ids and targets (..) in a vocabulary of VOCAB. A check names the
+# function to look at in what it compares, so that a failure says where the mistake is.
+VOCAB = 40
 
-    group = dist.group.WORLD
-    torch.manual_seed(0)  # the same dense weights and inputs on every rank
-    D, F_, V = 16, 24, 40
-    x = torch.randn(*batch_shape, D)
-    ids = torch.randint(0, V, batch_shape)
-    targets = torch.randint(0, V, batch_shape)
 
-    # Column parallel: rank r holds rows r*F/tp..(r+1)*F/tp of the weight and of the output. Its
-    # input comes through f (`Copy`), as apply_tensor_parallel places it.
+def check_column(tp, rank, world, group, x, ids, targets):
+    """Column parallel: rank r holds rows r*F/tp..(r+1)*F/tp of the weight and of the output. Its
+    input comes through f (`Copy`), as apply_tensor_parallel places it."""
+    D, F_ = x.shape[-1], 24
     dense = torch.nn.Linear(D, F_, bias=False)
     column = tp.ColumnParallelLinear(D, F_, group)
     column.weight.data.copy_(column.init_parameter("weight", lambda s: dense.weight.data))
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_dense, y_col = dense(x1), column(tp.Copy.apply(x2, group))
-    close(y_col, y_dense.chunk(world, -1)[rank], "column forward")
+    close(y_col, y_dense.chunk(world, -1)[rank], "ColumnParallelLinear.forward: output")
     upstream = torch.randn_like(y_dense)
     y_dense.backward(upstream)
     y_col.backward(upstream.chunk(world, -1)[rank])
-    close(column.weight.grad, dense.weight.grad.chunk(world, 0)[rank], "column weight grad")
-    close(x2.grad, x1.grad, "column input grad")  # the all-reduce of Copy's backward
+    close(
+        column.weight.grad,
+        dense.weight.grad.chunk(world, 0)[rank],
+        "ColumnParallelLinear.forward: the weight's gradient",
+    )
+    # The all-reduce of Copy's backward.
+    close(x2.grad, x1.grad, "Copy.backward: the gradient of ColumnParallelLinear's input")
 
-    # Row parallel: the input comes split along its last dim; the output is the full sum.
+
+def check_row(tp, rank, world, group, x, ids, targets):
+    """Row parallel: the input comes split along its last dim; the output is the full sum."""
+    D, F_ = x.shape[-1], 24
     dense = torch.nn.Linear(F_, D, bias=False)
     row = tp.RowParallelLinear(F_, D, group)
     row.weight.data.copy_(row.init_parameter("weight", lambda s: dense.weight.data))
-    h = torch.randn(*batch_shape, F_)
+    h = torch.randn(*x.shape[:-1], F_)
     h1, h2 = h.clone().requires_grad_(), h.chunk(world, -1)[rank].clone().requires_grad_()
     y_dense, y_row = dense(h1), row(h2)
-    close(y_row, y_dense, "row forward")
+    close(y_row, y_dense, "RowParallelLinear.forward (with Reduce.forward): output")
     upstream = torch.randn_like(y_dense)
     y_dense.backward(upstream)
     y_row.backward(upstream)
-    close(row.weight.grad, dense.weight.grad.chunk(world, 1)[rank], "row weight grad")
-    close(h2.grad, h1.grad.chunk(world, -1)[rank], "row input grad")
+    close(
+        row.weight.grad,
+        dense.weight.grad.chunk(world, 1)[rank],
+        "RowParallelLinear.forward (with Reduce.backward): the weight's gradient",
+    )
+    close(
+        h2.grad,
+        h1.grad.chunk(world, -1)[rank],
+        "RowParallelLinear.forward (with Reduce.backward): the input's gradient",
+    )
 
-    # Vocabulary-parallel embedding, with a pad token (its row gets no gradient) in the last slice.
+
+def check_embedding(tp, rank, world, group, x, ids, targets):
+    """Vocabulary-parallel embedding, with a pad token (its row gets no gradient) in the last
+    slice."""
+    D, V = x.shape[-1], VOCAB
     pad = V - 3
     ids.view(-1)[0] = pad
     dense = torch.nn.Embedding(V, D, padding_idx=pad)
     embed = tp.VocabParallelEmbedding(V, D, group, padding_idx=pad)
     embed.weight.data.copy_(embed.init_parameter("weight", lambda s: dense.weight.data))
     y_dense, y_emb = dense(ids), embed(ids)
-    close(y_emb, y_dense, "embedding forward")
+    close(y_emb, y_dense, "VocabParallelEmbedding.forward: output")
     upstream = torch.randn_like(y_dense)
     y_dense.backward(upstream)
     y_emb.backward(upstream)
-    close(embed.weight.grad, dense.weight.grad.chunk(world, 0)[rank], "embedding grad")
+    close(
+        embed.weight.grad,
+        dense.weight.grad.chunk(world, 0)[rank],
+        "VocabParallelEmbedding.forward: the weight's gradient",
+    )
 
-    # Vocabulary-parallel cross-entropy, on logits large enough that a missing max would overflow.
-    logits = 30 * torch.randn(*batch_shape, V)
+
+def check_cross_entropy(tp, rank, world, group, x, ids, targets):
+    """Vocabulary-parallel cross-entropy, on logits large enough that a missing max would
+    overflow, and what its backward keeps."""
+    logits = 30 * torch.randn(*targets.shape, VOCAB)
     full = logits.clone().requires_grad_()
     mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
     loss_dense = F.cross_entropy(full.flatten(0, -2), targets.flatten())
     loss_tp = tp.vocab_parallel_cross_entropy(mine, targets, group)
-    close(loss_tp, loss_dense, "cross-entropy")
+    close(loss_tp, loss_dense, "vocab_parallel_cross_entropy: the loss")
     loss_dense.backward()
     loss_tp.backward()
-    close(mine.grad, full.grad.chunk(world, -1)[rank], "cross-entropy grad")
+    close(
+        mine.grad,
+        full.grad.chunk(world, -1)[rank],
+        "vocab_parallel_cross_entropy: the gradient of this rank's logits",
+    )
     # What its backward keeps of this rank's logits: one float copy (the exponentials), no more.
     sizes = {}
 
@@ -87,20 +125,51 @@ def layers_worker(rank, world, batch_shape):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         tp.vocab_parallel_cross_entropy(logits, torch.randint(0, 32 * world, (4, 16)), group)
     copy = logits.numel() * 4
-    assert copy <= sum(sizes.values()) < 2 * copy, (sum(sizes.values()), copy)
+    assert copy <= sum(sizes.values()) < 2 * copy, (
+        f"vocab_parallel_cross_entropy: its backward keeps {sum(sizes.values())} bytes, "
+        f"expected one float copy of the logits, {copy} (up to twice that)"
+    )
 
-    # Gather: all slices side by side; backward keeps this rank's slice.
+
+def check_gather(tp, rank, world, group, x, ids, targets):
+    """Gather: all slices side by side; backward keeps this rank's slice."""
     part = x.chunk(world, -1)[rank].clone().requires_grad_()
     gathered = tp.Gather.apply(part, group)
-    close(gathered, x, "gather")
+    close(gathered, x, "Gather.forward: output")
     gathered.backward(x)
-    close(part.grad, x.chunk(world, -1)[rank], "gather grad")
+    close(part.grad, x.chunk(world, -1)[rank], "Gather.backward: the gradient of this rank's slice")
+
+
+LAYERS = {
+    "column": check_column,
+    "row": check_row,
+    "embedding": check_embedding,
+    "cross_entropy": check_cross_entropy,
+    "gather": check_gather,
+}
+
+
+def layers_worker(rank, world, batch_shape, layers):
+    import tensor_parallel as tp
+
+    torch.manual_seed(0)  # the same dense weights and inputs on every rank
+    x = torch.randn(*batch_shape, 16)
+    ids = torch.randint(0, VOCAB, batch_shape)
+    targets = torch.randint(0, VOCAB, batch_shape)
+    for name in layers:
+        LAYERS[name](tp, rank, world, dist.group.WORLD, x, ids, targets)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("batch_shape", [(3, 5), (1, 7), (2, 1)], ids=str)
 def test_layers_match_dense(tmp_path, world, batch_shape):
-    spawn(STEP, layers_worker, world, tmp_path, batch_shape)
+    spawn(STEP, layers_worker, world, tmp_path, batch_shape, list(LAYERS))
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layer_matches_dense(tmp_path, layer):
+    """One layer at a time, on two ranks: the graded steps of the exercise (tools/steps.py)."""
+    spawn(STEP, layers_worker, 2, tmp_path, (3, 5), [layer])
 
 
 def model_worker(rank, world, tied):
@@ -136,9 +205,9 @@ def model_worker(rank, world, tied):
     expected = reference(ids)
     loss_ref = F.cross_entropy(expected.flatten(0, 1), targets.flatten())
     logits = model(ids)
-    close(Gather.apply(logits, group), expected, "logits")
+    close(Gather.apply(logits, group), expected, "apply_tensor_parallel's model: logits")
     loss = vocab_parallel_cross_entropy(logits, targets, group)
-    close(loss, loss_ref, "loss")
+    close(loss, loss_ref, "apply_tensor_parallel's model: the loss")
     loss_ref.backward()
     loss.backward()
     for name, param in model.named_parameters():
@@ -146,9 +215,9 @@ def model_worker(rank, world, tied):
         if param.shape != full.shape:
             dim = [a != b for a, b in zip(param.shape, full.shape, strict=True)].index(True)
             full = full.chunk(world, dim)[rank]
-        close(param.grad, full, f"grad of {name}")
+        close(param.grad, full, f"apply_tensor_parallel's model: the gradient of {name}")
     norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-    close(clip_grad_norm(model, 1e9, pgm), norm_ref, "grad norm")
+    close(clip_grad_norm(model, 1e9, pgm), norm_ref, "clip_grad_norm: the gradient norm")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -193,12 +262,26 @@ def count_worker(rank, world, tied):
     finally:
         dist.all_reduce = all_reduce
     # Forward: the embedding's, then per block g after o_proj and g after down_proj: 1 + 2 * 2.
-    assert calls["forward"] == [(B, T, D)] * (1 + 2 * L), calls["forward"]
+    expected = [(B, T, D)] * (1 + 2 * L)
+    assert calls["forward"] == expected, (
+        f"the forward pass made the all-reduces {calls['forward']}, expected {expected}: one in "
+        "VocabParallelEmbedding.forward, one in each RowParallelLinear.forward (its Reduce), "
+        "none elsewhere (apply_tensor_parallel places the layers)"
+    )
     # The loss: the max, the sum of exponentials and the target's logit of every token.
-    assert calls["loss"] == [(B, T, 1), (B, T), (B, T)], calls["loss"]
+    expected = [(B, T, 1), (B, T), (B, T)]
+    assert calls["loss"] == expected, (
+        f"vocab_parallel_cross_entropy made the all-reduces {calls['loss']}, expected {expected}: "
+        "the max, the sum of exponentials and the target's logit"
+    )
     # Backward: f before lm_head, then per block f before the MLP and f before attention:
     # 1 + 2 * 2. The embedding's Reduce and the loss's have an identity backward.
-    assert calls["backward"] == [(B, T, D)] * (1 + 2 * L), calls["backward"]
+    expected = [(B, T, D)] * (1 + 2 * L)
+    assert calls["backward"] == expected, (
+        f"the backward pass made the all-reduces {calls['backward']}, expected {expected}: one in "
+        "Copy.backward per norm that feeds column-parallel layers (apply_tensor_parallel's "
+        "hooks), none in Reduce.backward"
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -74,13 +74,27 @@ def step_files(root: Path, step: Path) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Blank:
+    """A function of a step's exercise (tools/exercise.py): `name` in the step's file `file` (a
+    function, or `Class.method`), whose body the learner writes; `hint` is what it says when
+    called before it is written."""
+
+    file: str
+    name: str
+    hint: str
+
+
+@dataclass(frozen=True)
 class Step:
     """One step of the course. `changes`: the files it adds or changes from the step before (every
     other file is that step's, byte for byte); `frozen`: those of them that no later step changes.
     What the tools run for it: `convergence`, its layouts trained against one device, each
     (name, processes, flags, the divisor of the baseline's gradient accumulation); `memory`, the
     layout of its row in tools/memory_table.py; `bench`, the parts of tools/bench.py that measure
-    its technique against PyTorch's (its name: processes)."""
+    its technique against PyTorch's (its name: processes). Its exercise: `blanks`, the functions
+    to write, in the order to write them; `graded`, the tests that grade them (pytest node ids),
+    smallest first: each layer against its single-device reference, then the collectives
+    counted, then the whole layout against one device."""
 
     folder: str
     changes: tuple[str, ...]
@@ -88,6 +102,8 @@ class Step:
     convergence: tuple[tuple, ...] = ()
     memory: dict | None = None
     bench: dict = field(default_factory=dict)
+    blanks: tuple[Blank, ...] = ()
+    graded: tuple[str, ...] = ()
 
     @property
     def number(self):
@@ -97,6 +113,40 @@ class Step:
 DP2_BUCKETS = ("--dp_size", "2", "--bucket_size_mb", "0.05")  # several buckets for a tiny model
 PP2 = ("--pp_size", "2", "--pp_engine")  # then the engine
 GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+# Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
+# gather of the logits, and the plan that puts them all in the model.
+TP = "tensor_parallel.py"
+TP_BLANKS = (
+    Blank(TP, "Copy.forward", "f is the identity forward; keep the group in ctx for backward"),
+    Blank(TP, "Copy.backward",
+          "every rank's slice read the whole input: all-reduce the gradient over ctx.group"),
+    Blank(TP, "ColumnParallelLinear.forward",
+          "a local matmul with this rank's rows of the weight: its slice of the output features"),
+    Blank(TP, "Reduce.forward", "g sums the ranks' partial results: an all-reduce over group"),
+    Blank(TP, "Reduce.backward", "the gradient of a sum reaches every term whole: the identity"),
+    Blank(TP, "RowParallelLinear.forward",
+          "this rank's columns of the weight give a partial sum of the output; g adds them up"),
+    Blank(TP, "VocabParallelEmbedding.forward",
+          "look up the ids in [vocab_start, vocab_start + vocab_per_partition), zeros for the "
+          "others, then g"),
+    Blank(TP, "vocab_parallel_cross_entropy",
+          "log(sum exp(z - m)) - (z_target - m): the max m, the sum and the target's logit "
+          "reduced over group"),
+    Blank(TP, "Gather.forward",
+          "all-gather the ranks' slices, side by side along the last dim; keep the group in ctx"),
+    Blank(TP, "Gather.backward", "keep this rank's slice of the gradient, along the last dim"),
+    Blank(TP, "apply_tensor_parallel",
+          "swap what PLAN names, embed_tokens and lm_head; f on every norm's output (a forward "
+          "hook); tie_weights"),
+)  # fmt: skip
+TP_TESTS = "tests/test_tensor_parallel.py::"
+TP_GRADED = (
+    *(f"{TP_TESTS}test_layer_matches_dense[{layer}]"
+      for layer in ("column", "row", "embedding", "cross_entropy", "gather")),
+    f"{TP_TESTS}test_two_all_reduces_forward_and_two_backward_per_block[untied]",
+    f"{TP_TESTS}test_model_matches_single_device[untied]",
+    f"{TP_TESTS}test_tp2_trains_like_one_process",
+)  # fmt: skip
 STEPS = [
     Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
          bench={"model": 1}),
@@ -110,7 +160,8 @@ STEPS = [
     Step("step4_tensor_parallel",
          ("tensor_parallel.py", "placement.py", "checkpoint.py", "train.py", "README.md"),
          ("tensor_parallel.py", "placement.py"),
-         convergence=(("tp2", 2, ("--tp_size", "2"), 1),), memory={"tp": 2}, bench={"tp": 2}),
+         convergence=(("tp2", 2, ("--tp_size", "2"), 1),), memory={"tp": 2}, bench={"tp": 2},
+         blanks=TP_BLANKS, graded=TP_GRADED),
     Step("step5_data_parallel_naive",
          ("data_parallel.py", "dataloader.py", "train.py", "README.md"),
          convergence=(("dp2_naive", 2, ("--dp_size", "2"), 2),), memory={"dp": 2}),

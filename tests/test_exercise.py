@@ -1,0 +1,218 @@
+"""tools/exercise.py: a step's technique written by the learner, graded by the step's own tests.
+
+The manifest names real functions and real tests; `start` empties exactly the listed functions
+(each then raises its hint) and copies everything else byte for byte; the graded tests, run with
+`pytest --step DIR`, fail every one on the emptied copy (each on a function's hint: the copy is
+what ran, in the test process, in the ranks of `spawn` and in train.py's) and pass on the copy
+with the reference put back; `diff` and `restore` work function by function; bad input is refused
+with one line and exit status 2.
+"""
+
+import ast
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, STEP_MODULES, assert_matches
+
+sys.path.insert(0, str(ROOT / "tools"))
+import exercise  # noqa: E402
+from steps import STEPS, step_entry, step_files  # noqa: E402
+
+STEP4 = step_entry(4)
+TOOL = [sys.executable, str(ROOT / "tools" / "exercise.py")]
+
+
+def tool(*args, cwd=ROOT):
+    return subprocess.run([*TOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def start(tmp_path, step=STEP4):
+    folder = tmp_path / step.folder
+    result = tool("start", str(step.number), "--out", str(folder))
+    assert result.returncode == 0, result.stderr
+    return folder, result.stdout
+
+
+def test_the_manifest_names_real_functions_and_tests():
+    """Every blank names a function of its step's own file, one that the step adds or changes,
+    with a one-line hint; every graded test is a test function of its file."""
+    for step in STEPS:
+        assert bool(step.blanks) == bool(step.graded), step.folder
+        names = [(blank.file, blank.name) for blank in step.blanks]
+        assert len(set(names)) == len(names), step.folder
+        for blank in step.blanks:
+            assert blank.file in step.changes, (step.folder, blank.file)
+            source = (ROOT / step.folder / blank.file).read_text()
+            exercise.find(ast.parse(source), blank.name, blank.file)  # raises if it is not there
+            assert blank.hint and "\n" not in blank.hint and '"' not in blank.hint, blank
+    # Their parameters exist too: the graded runs below find every test, in the manifest's order.
+    nodes = [node for step in STEPS for node in step.graded]
+    assert len(set(nodes)) == len(nodes)
+    for node in nodes:
+        file, test = node.split("::")
+        tree = ast.parse((ROOT / file).read_text())
+        functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert test.split("[")[0] in functions, node
+
+
+def import_copy(folder, name):
+    for module in STEP_MODULES:
+        sys.modules.pop(module, None)
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+        for module in STEP_MODULES:
+            sys.modules.pop(module, None)
+
+
+def test_start_empties_the_listed_functions_and_copies_the_rest(tmp_path):
+    folder, printed = start(tmp_path)
+    reference = ROOT / STEP4.folder
+    blanked = {blank.file for blank in STEP4.blanks}
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [*step_files(ROOT, reference), ".exercise.json"]
+    )
+    for name in step_files(ROOT, reference):
+        if name not in blanked:
+            assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+    # What it says: every function, in order, with its hint, and the command that grades.
+    listed = re.findall(r"^ +\d+\. ([\w.]+):", printed, re.MULTILINE)
+    assert listed == [blank.name for blank in STEP4.blanks], printed
+    assert f"python tools/exercise.py grade {folder}" in printed
+
+    for file in blanked:
+        ours, theirs = (folder / file).read_text(), (reference / file).read_text()
+        # Only the bodies changed: with them put back, the file is the reference, byte for byte.
+        restored = ours
+        for blank in (b for b in STEP4.blanks if b.file == file):
+            restored = exercise.put_back(restored, theirs, blank.name, file)
+        assert restored == theirs
+        # The signature, the decorators and the docstring stay; the file lints but for the
+        # imports that only the bodies used.
+        for blank in (b for b in STEP4.blanks if b.file == file):
+            mine = exercise.find(ast.parse(ours), blank.name, file)
+            ref = exercise.find(ast.parse(theirs), blank.name, file)
+            assert ast.dump(mine.args) == ast.dump(ref.args), blank.name
+            assert [ast.dump(d) for d in mine.decorator_list] == [
+                ast.dump(d) for d in ref.decorator_list
+            ]
+            assert ast.get_docstring(mine) == ast.get_docstring(ref), blank.name
+        lint = [sys.executable, "-m", "ruff", "check", "--ignore", "F401", str(folder / file)]
+        assert subprocess.run(lint, cwd=ROOT, capture_output=True).returncode == 0
+        formatted = [sys.executable, "-m", "ruff", "format", "--check", str(folder / file)]
+        assert subprocess.run(formatted, cwd=ROOT, capture_output=True).returncode == 0
+    assert "        # (.., D) -> (.., F/tp)\n" in (folder / "tensor_parallel.py").read_text()
+
+    # Each emptied function raises its hint at once, whatever it is given.
+    tp = import_copy(folder, "tensor_parallel")
+    for blank in STEP4.blanks:
+        function = tp
+        for part in blank.name.split("."):
+            function = getattr(function, part)
+        arguments = [None] * len(inspect.signature(function).parameters)
+        with pytest.raises(NotImplementedError) as raised:
+            function(*arguments)
+        assert str(raised.value) == f"write {blank.name}: {blank.hint}"
+
+
+WITH_EXERCISE = [pytest.param(step, id=step.folder) for step in STEPS if step.blanks]
+
+
+@pytest.mark.parametrize("step", WITH_EXERCISE)
+def test_the_graded_tests_fail_every_one_on_the_emptied_copy(tmp_path, step):
+    """Each fails, on a function's hint: the copy's code ran, not the step's, in the test
+    process, in spawn's ranks and in the ranks of train.py that tests/launch.py forks."""
+    folder, _ = start(tmp_path, step)
+    results, status, output = exercise.run_graded(folder, step.graded, stop_first=False)
+    assert status == 1, output[-3000:]  # tests failed; none errored at collection (2, 4)
+    assert list(results) == list(step.graded), output[-3000:]
+    for node, (outcome, message) in results.items():
+        assert outcome == "failed", (node, outcome, message[-2000:])
+        assert "NotImplementedError: write " in message, (node, message[-2000:])
+
+
+@pytest.mark.parametrize("step", WITH_EXERCISE)
+def test_the_graded_tests_pass_on_the_copy_put_back(tmp_path, step):
+    folder, _ = start(tmp_path, step)
+    result = tool("restore", str(folder))
+    assert result.returncode == 0, result.stderr
+    for file in {blank.file for blank in step.blanks}:
+        assert (folder / file).read_bytes() == (ROOT / step.folder / file).read_bytes(), file
+    result = tool("grade", str(folder))
+    assert result.returncode == 0, result.stdout + result.stderr
+    count = len(step.graded)
+    assert f"{count} of {count} graded tests pass" in result.stdout, result.stdout
+    assert result.stdout.count("  passed  ") == count
+
+
+def test_diff_and_restore_work_function_by_function(tmp_path):
+    folder, _ = start(tmp_path)
+    lines = tool("diff", str(folder)).stdout.splitlines()
+    assert lines == [f"{blank.name}: not written yet" for blank in STEP4.blanks]
+
+    assert tool("restore", str(folder), "ColumnParallelLinear.forward").returncode == 0
+    source = (folder / "tensor_parallel.py").read_text()
+    wrong = source.replace("F.linear(x, self.weight)  #", "F.linear(x, self.weight) * 2  #")
+    assert wrong != source
+    (folder / "tensor_parallel.py").write_text(wrong.replace("# rows\n", "# rows!\n"))
+    (folder / "model.py").write_text((folder / "model.py").read_text() + "\n")
+    out = tool("diff", str(folder)).stdout
+    assert "ColumnParallelLinear.forward: yours differs from the reference" in out
+    assert "-        return F.linear(x, self.weight)  # (.., D) -> (.., F/tp)" in out
+    assert "+        return F.linear(x, self.weight) * 2  # (.., D) -> (.., F/tp)" in out
+    assert "Copy.forward: not written yet" in out
+    assert "tensor_parallel.py: changed outside the functions of the exercise" in out
+    assert (
+        '+        place(self, "weight", Split("tp", 0, self.tp_rank, self.tp_size))  # rows!' in out
+    )
+    assert "model.py: changed" in out
+
+    assert tool("restore", str(folder)).returncode == 0  # every function, not the rest
+    out = tool("diff", str(folder)).stdout
+    assert f"{STEP4.blanks[0].name}: as the reference" in out
+    assert "yours differs" not in out and "not written yet" not in out
+    assert "changed outside" in out and "model.py: changed" in out
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path):
+    folder, _ = start(tmp_path / "a")
+    refusals = {
+        ("start", "99"): "there is no step 99",
+        ("start", "1"): "step 1 has no exercise yet (steps with one: 4)",
+        ("start", "4", "--out", str(folder)): "exists",
+        ("start", "4", "--out", str(tmp_path / "mine")): "name the copy like the step's folder",
+        ("grade", str(tmp_path / "none")): "no such folder",
+        ("grade", str(ROOT / STEP4.folder)): "is not an exercise copy",
+        ("diff", str(tmp_path)): "is not an exercise copy",
+        ("restore", str(folder), "Column"): "Column is not a function of step 4's exercise",
+    }
+    for args, words in refusals.items():
+        result = tool(*args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert len(result.stderr.splitlines()) == 1 and words in result.stderr, (
+            args,
+            result.stderr,
+        )
+
+
+def test_a_failure_names_the_first_element_that_differs():
+    expected = torch.zeros(2, 3, 4)
+    actual = expected.clone()
+    actual[1, 2, 1:3] = torch.tensor([0.5, -0.25])
+    with pytest.raises(AssertionError) as raised:
+        assert_matches(actual, expected, "ColumnParallelLinear.forward: output", rtol=0, atol=0.1)
+    assert str(raised.value) == (
+        "ColumnParallelLinear.forward: output[1, 2, 1] is 0.5, one device gives 0 "
+        "(max |diff| 0.5 over 2 of 24 elements)"
+    )
+    with pytest.raises(AssertionError) as raised:
+        assert_matches(actual[..., :2], expected, "x", rtol=0, atol=0.1)
+    assert str(raised.value) == "x has shape (2, 3, 2), one device gives (2, 3, 4)"
+    assert_matches(actual, expected + 0.5, "x", rtol=0, atol=0.8)  # within the tolerance

@@ -1,0 +1,427 @@
+"""Write a step's technique yourself, and be graded by the tests that prove the course's own.
+
+    python tools/exercise.py start 4 [--out DIR]    a copy of step 4 whose technique you write
+    python tools/exercise.py grade DIR              its graded tests, smallest first
+    python tools/exercise.py diff DIR               your functions against the reference's
+    python tools/exercise.py restore DIR [NAME]     the reference's NAME back, or all of them
+
+`start` copies the step's folder to DIR (exercises/<the step's folder> by default; the copy keeps
+the folder's name, which is how `pytest --step DIR` knows which step it stands in for) and empties
+the functions that tools/steps.py lists for the step's exercise: each keeps its signature and
+docstring, the shapes its lines were commented with, and raises `NotImplementedError("write NAME:
+HINT")` until you write it. Every other file is the step's, byte for byte. `grade` runs the step's
+graded tests with `pytest --step DIR`, in the manifest's order (each layer against its
+single-device reference, then the collectives counted, then the whole layout against one device),
+and stops at the first that fails, with what it says.
+"""
+
+import argparse
+import ast
+import difflib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import tokenize
+from pathlib import Path
+
+from steps import STEPS, step_files
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = ".exercise.json"  # what makes a folder an exercise: the step it copies
+WIDTH = 100  # ruff's line length
+
+
+class Refused(Exception):
+    """Bad input: one line, exit status 2."""
+
+
+# ---- The code: find a function, empty it, put it back ------------------------------------------
+
+
+def find(tree, name, file):
+    """The FunctionDef of `name` (`function` or `Class.method`) at the top of module `tree`."""
+    scope, node = tree.body, None
+    for part in name.split("."):
+        node = next((n for n in scope if getattr(n, "name", None) == part), None)
+        if node is None:
+            raise Refused(f"{file} has no {name}")
+        scope = node.body
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        raise Refused(f"{name} in {file} is not a function")
+    return node
+
+
+def parse(source, file):
+    try:
+        return ast.parse(source)
+    except SyntaxError as error:
+        raise Refused(f"{file} does not parse: {error.msg} at line {error.lineno}") from None
+
+
+def body_lines(source, node):
+    """The lines (1-based, inclusive) of a function's body after its docstring."""
+    first = node.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    if docstring and isinstance(first.value.value, str):
+        return first.end_lineno + 1, node.end_lineno
+    # No docstring: the body starts after the signature's colon (a comment may come first).
+    lines = source.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno]
+    depth = 0
+    for token in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if token.type == tokenize.OP and token.string in "([{":
+            depth += 1
+        elif token.type == tokenize.OP and token.string in ")]}":
+            depth -= 1
+        elif token.type == tokenize.OP and token.string == ":" and depth == 0:
+            return node.lineno + token.end[0], node.end_lineno
+    raise AssertionError(f"no colon ends the signature of {node.name}")
+
+
+def shapes(text):
+    """The shape comments at the end of the lines of `text` (`# (B, T, D/tp)`), each once."""
+    found = []
+    tokens = tokenize.generate_tokens(io.StringIO(textwrap.dedent(text)).readline)
+    for token in tokens:
+        trailing = token.line[: token.start[1]].strip()
+        if token.type == tokenize.COMMENT and trailing and token.string.startswith("# ("):
+            shape = token.string[2:].strip()
+            if shape not in found:
+                found.append(shape)
+    return found
+
+
+def stub(blank, indent, shape_list):
+    """What a blanked body holds: its shapes in one comment, and the raise with the hint."""
+    lines = []
+    if shape_list:
+        label = "" if len(shape_list) == 1 else "shapes: "
+        lines.append(f"{indent}# {label}{', '.join(shape_list)}\n")
+    message = f"write {blank.name}: {blank.hint}"
+    one_line = f'{indent}raise NotImplementedError("{message}")\n'
+    if len(one_line) <= WIDTH + 1:
+        return [*lines, one_line]
+    parts = textwrap.wrap(message, WIDTH - len(indent) - 6, drop_whitespace=False)
+    return [
+        *lines,
+        f"{indent}raise NotImplementedError(\n",
+        *(f'{indent}    "{part}"\n' for part in parts),
+        f"{indent})\n",
+    ]
+
+
+def blank_out(source, blank):
+    """`source` with the body of `blank.name` emptied (see stub)."""
+    node = find(parse(source, blank.file), blank.name, blank.file)
+    start, end = body_lines(source, node)
+    lines = source.splitlines(keepends=True)
+    body = "".join(lines[start - 1 : end])
+    first_statement = next(n for n in node.body if n.lineno >= start)  # after the docstring
+    indent = " " * first_statement.col_offset
+    return "".join(lines[: start - 1] + stub(blank, indent, shapes(body)) + lines[end:])
+
+
+def function_lines(source, name, file):
+    """(first, last) lines of `name`'s definition, its decorators included."""
+    node = find(parse(source, file), name, file)
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    return first, node.end_lineno
+
+
+def function_text(source, name, file):
+    first, last = function_lines(source, name, file)
+    return "".join(source.splitlines(keepends=True)[first - 1 : last])
+
+
+def put_back(source, reference, name, file):
+    """`source` with `name`'s definition replaced by the reference's."""
+    first, last = function_lines(source, name, file)
+    lines = source.splitlines(keepends=True)
+    ours = function_text(reference, name, file)
+    return "".join(lines[: first - 1]) + ours + "".join(lines[last:])
+
+
+# ---- The folders -------------------------------------------------------------------------------
+
+
+def step_with_exercise(number):
+    steps = {step.number: step for step in STEPS}
+    if number not in steps:
+        raise Refused(f"there is no step {number} (steps 1 to {max(steps)})")
+    if not steps[number].blanks:
+        with_one = ", ".join(str(s.number) for s in STEPS if s.blanks)
+        raise Refused(f"step {number} has no exercise yet (steps with one: {with_one})")
+    return steps[number]
+
+
+def open_copy(folder):
+    """The step of the exercise in `folder`, refusing a folder that is not one."""
+    if not folder.is_dir():
+        raise Refused(f"{folder}: no such folder (make one with: exercise.py start STEP)")
+    if not (folder / MARK).is_file():
+        raise Refused(f"{folder} is not an exercise copy (no {MARK}; make one with `start`)")
+    name = json.loads((folder / MARK).read_text())["step"]
+    step = next((s for s in STEPS if s.folder == name), None)
+    if step is None or not step.blanks:
+        raise Refused(f"{folder} copies {name}, which has no exercise")
+    return step
+
+
+def shown(folder):
+    """`folder` as the learner would type it: relative to the working folder when inside it."""
+    folder = Path(os.path.abspath(folder))
+    try:
+        return str(folder.relative_to(Path.cwd()))
+    except ValueError:
+        return str(folder)
+
+
+def start(number, out):
+    step = step_with_exercise(number)
+    folder = Path(out or Path("exercises") / step.folder)
+    if folder.name != step.folder:
+        raise Refused(
+            f"--out {folder}: name the copy like the step's folder, {folder.parent / step.folder}: "
+            "that name is how the tests know which step it stands in for"
+        )
+    if folder.exists():
+        raise Refused(f"{folder} exists: grade it, restore it, or remove it first")
+    reference = ROOT / step.folder
+    for name in step_files(ROOT, reference):
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(reference / name, target)
+    for file in dict.fromkeys(blank.file for blank in step.blanks):
+        source = (folder / file).read_text()
+        for blank in (b for b in step.blanks if b.file == file):
+            source = blank_out(source, blank)
+        (folder / file).write_text(source)
+    (folder / MARK).write_text(json.dumps({"step": step.folder}) + "\n")
+    # The step's flags.py finds the configs in the folder above its own.
+    assets = folder.parent / "assets"
+    if not assets.exists() and not assets.is_symlink():
+        assets.symlink_to(ROOT / "assets", target_is_directory=True)
+
+    count = len(step.blanks)
+    print(f"{shown(folder)}: step {step.number}'s folder, with {count} functions to write")
+    print("in this order (each raises NotImplementedError with its hint until you write it):")
+    file = None
+    for i, blank in enumerate(step.blanks, 1):
+        if blank.file != file:
+            file = blank.file
+            print(f"  {file}")
+        line = f"{i:5}. {blank.name}: {blank.hint}"
+        print(textwrap.fill(line, WIDTH, subsequent_indent=" " * 11))
+    print(f"grade it:   python tools/exercise.py grade {shown(folder)}")
+    print(f"your diff:  python tools/exercise.py diff {shown(folder)}")
+    print(f"a function back as it was: python tools/exercise.py restore {shown(folder)} NAME")
+    return 0
+
+
+# ---- Grading -----------------------------------------------------------------------------------
+
+# A pytest plugin (`-p exercise`): each test's outcome, and the message of a failure, one JSON
+# object a line in the file that run_graded names in REPORT.
+REPORT = "PICO3D_EXERCISE_REPORT"
+
+
+def pytest_runtest_logreport(report):
+    record(report, report.nodeid)
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        record(report, report.nodeid or "collection")
+
+
+def record(report, nodeid):
+    path = os.environ.get(REPORT)
+    if not path or not (report.failed or report.when == "call"):
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr or "")
+    entry = {"nodeid": nodeid, "when": report.when, "outcome": report.outcome, "message": message}
+    with open(path, "a") as file:
+        file.write(json.dumps(entry) + "\n")
+
+
+def run_graded(folder, nodes, stop_first=True):
+    """Run `nodes` against `folder` in one pytest; returns ({node id: (outcome, message)}, pytest's
+    exit status, its output). A test that did not run is absent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.jsonl"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "exercise"]
+        command += ["--step", str(Path(folder).resolve()), *(["-x"] if stop_first else []), *nodes]
+        path = os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path, REPORT: str(report)}
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        results = {}
+        if report.exists():
+            for line in report.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["nodeid"] not in results or entry["outcome"] == "failed":
+                    outcome = "error" if entry["when"] != "call" else entry["outcome"]
+                    results[entry["nodeid"]] = (outcome, entry["message"])
+    return results, result.returncode, result.stdout + result.stderr
+
+
+ENDS = ("Traceback", "During handling", "The above exception", "launch.py:", "[rank")
+
+
+def summarize(message, folder):
+    """What a failure says that a learner reads first: the error a rank raised (its rank, and the
+    line of the learner's code it came from, when it is no check of the tests), or the test's own
+    assertion."""
+    lines = message.splitlines()
+    rank = re.search(r"-- Process (\d+) terminated", message)
+    rank = f"rank {rank.group(1)}: " if rank else ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        errors = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's own
+        kept = errors[-4:] or [line for line in lines if line.strip()][:4]
+        return "\n".join(kept).removeprefix("AssertionError: ")
+    i, frames = starts[0] + 1, []
+    while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
+        frames.append(lines[i])
+        i += 1
+    error = []
+    for line in lines[i:]:
+        if not line.strip() or line.startswith(ENDS) or len(error) == 4:
+            break
+        error.append(line)
+    text = "\n".join(error)
+    if text.startswith(("AssertionError: ", "NotImplementedError: write ")):
+        return text.split(": ", 1)[1]  # the same on every rank, or it names the rank
+    # An error of the learner's code: where in it.
+    where = str(Path(folder).resolve())
+    mine = [n for n, frame in enumerate(frames) if f'File "{where}/' in frame]
+    if mine:
+        frame, code = frames[mine[-1]], frames[mine[-1] + 1].strip()
+        file, line = re.search(r'File "([^"]+)", line (\d+)', frame).groups()
+        text += f"\n  at {Path(file).name}:{line}: {code}"
+    return rank + text
+
+
+def grade(folder):
+    step = open_copy(folder)
+    nodes = step.graded
+    print(f"grading {shown(folder)} with step {step.number}'s tests, smallest first")
+    results, status, output = run_graded(folder, nodes)
+    passed = 0
+    for node in nodes:
+        name = node.split("::")[-1]
+        if node in results and results[node][0] == "passed":
+            passed += 1
+            print(f"  passed  {name}")
+            continue
+        if node in results:
+            print(f"  FAILED  {name}")
+            why = summarize(results[node][1], folder)
+        else:  # it could not run: an error outside the tests (the test file's import)
+            print(f"  ERROR   {name} did not run")
+            others = [m for n, (o, m) in results.items() if n not in nodes and o != "passed"]
+            why = summarize(others[0], folder) if others else output[-3000:]
+        print(textwrap.indent(why, " " * 10))
+        break
+    print(f"{passed} of {len(nodes)} graded tests pass")
+    if passed < len(nodes):
+        test = f"{shown(ROOT / node.split('::')[0])}::{node.split('::', 1)[1]}"
+        print(f"the whole report: python -m pytest --step {shown(folder)} '{test}'")
+    return 0 if passed == len(nodes) else 1
+
+
+# ---- Diff and restore --------------------------------------------------------------------------
+
+
+def diff(folder):
+    step = open_copy(folder)
+    reference = ROOT / step.folder
+    for file in dict.fromkeys(b.file for b in step.blanks):
+        mine, theirs = (folder / file).read_text(), (reference / file).read_text()
+        for blank in (b for b in step.blanks if b.file == file):
+            yours = function_text(mine, blank.name, file)
+            ours = function_text(theirs, blank.name, file)
+            if yours == ours:
+                print(f"{blank.name}: as the reference")
+            elif yours == function_text(blank_out(theirs, blank), blank.name, file):
+                print(f"{blank.name}: not written yet")
+            else:
+                print(f"{blank.name}: yours differs from the reference")
+                lines = difflib.unified_diff(
+                    ours.splitlines(keepends=True),
+                    yours.splitlines(keepends=True),
+                    f"reference/{file}: {blank.name}",
+                    f"yours/{file}: {blank.name}",
+                )
+                sys.stdout.writelines(lines)
+            mine = put_back(mine, theirs, blank.name, file)
+        if mine != theirs:  # what else you changed in the file
+            print(f"{file}: changed outside the functions of the exercise")
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    theirs.splitlines(keepends=True),
+                    mine.splitlines(keepends=True),
+                    f"reference/{file}",
+                    f"yours/{file}",
+                )
+            )
+    blanked = {b.file for b in step.blanks}
+    for name in step_files(ROOT, reference):
+        copy = folder / name
+        same = copy.exists() and copy.read_bytes() == (reference / name).read_bytes()
+        if name not in blanked and not same:
+            print(f"{name}: changed (the exercise is in {', '.join(sorted(blanked))})")
+    return 0
+
+
+def restore(folder, name):
+    step = open_copy(folder)
+    names = [b.name for b in step.blanks]
+    if name is not None and name not in names:
+        raise Refused(
+            f"{name} is not a function of step {step.number}'s exercise: {', '.join(names)}"
+        )
+    chosen = [b for b in step.blanks if name in (None, b.name)]
+    for file in dict.fromkeys(b.file for b in chosen):
+        source, reference = (folder / file).read_text(), (ROOT / step.folder / file).read_text()
+        for blank in (b for b in chosen if b.file == file):
+            source = put_back(source, reference, blank.name, file)
+        (folder / file).write_text(source)
+    print(f"{shown(folder)}: put back the reference's {', '.join(b.name for b in chosen)}")
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    begin = commands.add_parser("start", help="copy a step with its technique to write")
+    begin.add_argument("step", type=int, help="the step's number")
+    begin.add_argument("--out", help="the copy's folder (default: exercises/<step folder>)")
+    for command, text in [("grade", "run the graded tests"), ("diff", "yours against ours")]:
+        commands.add_parser(command, help=text).add_argument("dir", type=Path)
+    back = commands.add_parser("restore", help="put the reference's functions back")
+    back.add_argument("dir", type=Path)
+    back.add_argument("name", nargs="?", help="one function (Class.method); default: all")
+    args = parser.parse_args()
+    try:
+        if args.command == "start":
+            return start(args.step, args.out)
+        if args.command == "grade":
+            return grade(args.dir)
+        if args.command == "diff":
+            return diff(args.dir)
+        return restore(args.dir, args.name)
+    except Refused as error:
+        print(f"exercise.py: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
