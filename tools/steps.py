@@ -113,6 +113,7 @@ class Step:
 DP2_BUCKETS = ("--dp_size", "2", "--bucket_size_mb", "0.05")  # several buckets for a tiny model
 PP2 = ("--pp_size", "2", "--pp_engine")  # then the engine
 GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
+ZERO3 = ("--zero_stage", "3")
 # Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
 # gather of the logits, and the plan that puts them all in the model.
 TP = "tensor_parallel.py"
@@ -182,7 +183,7 @@ STEPS = [
          convergence=(("tp2_dp2_pp2", 8, (*GRID, "--bucket_size_mb", "0.05"), 2),
                       ("pp3_1f1b", 3, ("--pp_size", "3", "--pp_engine", "1f1b"), 1)),
          memory={"tp": 2, "pp": 2, "engine": "1f1b", "micro_batches": 4}),
-    Step("step10_zero1", ("zero.py", "train.py", "checkpoint.py", "README.md"), ("zero.py",),
+    Step("step10_zero1", ("zero.py", "train.py", "checkpoint.py", "README.md"),
          convergence=(("zero1_dp2", 2, DP2_BUCKETS, 2),
                       ("zero1_tp2_dp2", 4, (*DP2_BUCKETS, "--tp_size", "2"), 2),
                       ("zero1_tp2_dp2_pp2", 8,
@@ -199,6 +200,12 @@ STEPS = [
                        ("--cp_size", "2", *PP2, "1f1b", "--dp_size", "2", "--bucket_size_mb",
                         "0.05"), 2)),
          memory={"cp": 2}, bench={"cp": 2}),
+    Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"),
+         ("fully_sharded.py", "zero.py"),
+         convergence=(("zero2_dp2", 2, (*DP2_BUCKETS, "--zero_stage", "2"), 2),
+                      ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
+                      ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
+                      ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2))),
 ]  # fmt: skip
 
 
