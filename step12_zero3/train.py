@@ -238,11 +238,13 @@ def evaluate(ctx, state):
     model.eval()
     loader.load_state_dict({"position": 0})
     total = torch.zeros((), device=device)
-    for _ in range(pgm.dp_rank, args.eval_steps, pgm.dp_size):
+    # ZeRO-3 gathers in every forward: each dp rank runs as many, one it does not count if the
+    # micro-batches do not divide evenly (a rank with one forward fewer would wait forever).
+    for first in range(0, args.eval_steps, pgm.dp_size):
         inputs, targets = next(loader)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, logits = forward_step(model, inputs, shape, pgm, device)  # forward only
-            if pgm.pp_is_last_stage:
+            if pgm.pp_is_last_stage and first + pgm.dp_rank < args.eval_steps:
                 total += loss_fn(logits, targets, pgm)
     model.train()
     dist.all_reduce(total, group=pgm.pp_group)  # from the last stage to all
