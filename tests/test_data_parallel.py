@@ -1,5 +1,7 @@
 """Steps 5 and 6: data-parallel gradients against one process, against PyTorch's DDP, and against
-the well-known tensor-hook bug; the loader's split; the overlap; training like step 3."""
+the well-known tensor-hook bug; the naive version's all-reduces counted; one bucket, and the
+buckets' sizes; the loader's split; the overlap; training like step 3. Each check names the
+function to look at (the exercises' graded tests, tools/steps.py)."""
 
 import json
 
@@ -8,6 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import (
     TINY,
+    assert_matches,
     assert_same_training,
     check,
     check_overlap_trace,
@@ -69,56 +72,119 @@ def grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_grads(got, want, what):
+def assert_grads(got, want, what, reference):
+    """Every gradient of `want`, in `got` too, to 1e-5; `what` names the functions to look at."""
     for name in want:
-        torch.testing.assert_close(
-            got[name],
-            want[name],
-            rtol=1e-5,
-            atol=1e-7,
-            msg=lambda m, name=name: f"{what} {name}: {m}",
-        )
+        assert name in got, f"{what}: {name} has no gradient, {reference} gives it one"
+        what_grad = f"{what}: the gradient of {name}"
+        assert_matches(got[name], want[name], what_grad, rtol=1e-5, atol=1e-7, reference=reference)
 
 
-def grads_worker(rank, world, accumulation):
-    from data_parallel import DataParallelBucket
-    from overlap_timeline import OverlapTimeline
-
-    DataParallelNaive = import_step(NAIVE, "data_parallel").DataParallelNaive  # step 6 replaced it
-    group = dist.group.WORLD
-    want = reference_grads(accumulation, world)
-    results = {}
-    for name, wrapper in [("naive", DataParallelNaive), ("bucket", DataParallelBucket)]:
-        model = tiny_model()
-        timeline = OverlapTimeline()  # counts the buckets launched before backward ended
-        kwargs = {"bucket_size_mb": 0.01, "timeline": timeline} if name == "bucket" else {}
-        wrapped = wrapper(model, group, **kwargs)
-        sync = lambda flag, w=wrapped: setattr(w, "require_backward_grad_sync", flag)
-        run_dp(wrapped, rank, world, accumulation, sync)
-        wrapped.finish_gradient_synchronization()
-        results[name] = grads(model)
-        assert_grads(results[name], want, name)
-        if name == "bucket":
-            assert len(wrapped.bucket_manager.buckets) > 1
-            # Overlap: buckets started their all-reduce from inside backward, before it ended.
-            assert timeline.launched_in_backward >= 1
-    assert_grads(results["bucket"], results["naive"], "bucket vs naive")
-
-    # PyTorch's DistributedDataParallel, with no_sync on the accumulation micro-batches.
+def ddp_grads(rank, world, accumulation):
+    """PyTorch's DistributedDataParallel, with no_sync on the accumulation micro-batches."""
     model = tiny_model()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=dist.group.WORLD)
     batches = micro_batches(world * accumulation)[rank::world]
     for i, (inputs, targets) in enumerate(batches):
         last = i == len(batches) - 1
         with ddp.no_sync() if not last else torch.enable_grad():
             (loss_of(ddp, inputs, targets) / len(batches)).backward()
-    assert_grads(results["bucket"], grads(model), "bucket vs DDP")
-    assert_grads(results["naive"], grads(model), "naive vs DDP")
+    return grads(model)
+
+
+def dp_grads(wrapper, rank, world, accumulation, **kwargs):
+    """The gradients that `wrapper` leaves on this rank's replica; and the wrapper."""
+    model = tiny_model()
+    wrapped = wrapper(model, dist.group.WORLD, **kwargs)
+    sync = lambda flag: setattr(wrapped, "require_backward_grad_sync", flag)
+    run_dp(wrapped, rank, world, accumulation, sync)
+    wrapped.finish_gradient_synchronization()
+    return grads(model), wrapped
+
+
+NAIVE_CODE = "DataParallelNaive (the hooks of __init__, _all_reduce_grad)"
+BUCKET_CODE = "DataParallelBucket (_accumulate_grad, finish_gradient_synchronization)"
+
+
+def naive_grads_worker(rank, world, accumulation):
+    from data_parallel import DataParallelNaive
+
+    naive, _ = dp_grads(DataParallelNaive, rank, world, accumulation)
+    assert_grads(naive, reference_grads(accumulation, world), NAIVE_CODE, "one process")
+    assert_grads(naive, ddp_grads(rank, world, accumulation), NAIVE_CODE, "PyTorch's DDP")
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
-def test_dp_gradients_equal_one_process_and_ddp(tmp_path, accumulation):
-    spawn(BUCKET, grads_worker, 2, tmp_path, accumulation)
+def test_naive_gradients_equal_one_process_and_ddp(tmp_path, accumulation):
+    spawn(NAIVE, naive_grads_worker, 2, tmp_path, accumulation)
+
+
+def bucket_grads_worker(rank, world, accumulation):
+    from data_parallel import DataParallelBucket
+    from overlap_timeline import OverlapTimeline
+
+    DataParallelNaive = import_step(NAIVE, "data_parallel").DataParallelNaive  # step 6 replaced it
+    timeline = OverlapTimeline()  # counts the buckets launched before backward ended
+    kwargs = {"bucket_size_mb": 0.01, "timeline": timeline}
+    bucket, wrapped = dp_grads(DataParallelBucket, rank, world, accumulation, **kwargs)
+    assert_grads(bucket, reference_grads(accumulation, world), BUCKET_CODE, "one process")
+    assert len(wrapped.bucket_manager.buckets) > 1
+    # Overlap: buckets started their all-reduce from inside backward, before it ended.
+    assert timeline.launched_in_backward >= 1, (
+        "Bucket.mark_ready: no bucket started its all-reduce during backward; a bucket launches "
+        "as soon as the last of its parameters is ready"
+    )
+    naive, _ = dp_grads(DataParallelNaive, rank, world, accumulation)
+    assert_grads(bucket, naive, BUCKET_CODE, "step 5's DataParallelNaive")
+    assert_grads(bucket, ddp_grads(rank, world, accumulation), BUCKET_CODE, "PyTorch's DDP")
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_bucket_gradients_equal_one_process_naive_and_ddp(tmp_path, accumulation):
+    spawn(BUCKET, bucket_grads_worker, 2, tmp_path, accumulation)
+
+
+def naive_count_worker(rank, world):
+    """Every all-reduce of a step of 3 micro-batches, by micro-batch, as the shape it reduced."""
+    from data_parallel import DataParallelNaive
+
+    model = tiny_model()
+    wrapped = DataParallelNaive(model, dist.group.WORLD)
+    batches = micro_batches(world * 3)[rank::world]
+    calls, all_reduce = {i: [] for i in range(len(batches))}, dist.all_reduce
+    now = [0]
+
+    def counting_all_reduce(tensor, *args, group=None, **kwargs):
+        assert group is dist.group.WORLD, "DataParallelNaive: an all-reduce off its dp_group"
+        calls[now[0]].append(tuple(tensor.shape))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        wrapped.zero_grad(set_to_none=True)
+        for i, (inputs, targets) in enumerate(batches):
+            now[0] = i
+            wrapped.require_backward_grad_sync = i == len(batches) - 1
+            (loss_of(wrapped, inputs, targets) / len(batches)).backward()
+        wrapped.finish_gradient_synchronization()
+    finally:
+        dist.all_reduce = all_reduce
+    for i in range(len(batches) - 1):
+        assert not calls[i], (
+            f"DataParallelNaive._all_reduce_grad: micro-batch {i} of {len(batches)} made "
+            f"{len(calls[i])} all-reduces, expected none: require_backward_grad_sync is False "
+            "until the last micro-batch"
+        )
+    want = sorted(tuple(p.shape) for p in model.parameters())
+    got = calls[len(batches) - 1]
+    assert sorted(got) == want, (
+        f"DataParallelNaive._all_reduce_grad: the last micro-batch made {len(got)} all-reduces, "
+        f"expected one per parameter ({len(want)}), each of its accumulated gradient"
+    )
+
+
+def test_naive_all_reduces_each_gradient_once_a_step(tmp_path):
+    spawn(NAIVE, naive_count_worker, 2, tmp_path)
 
 
 def tensor_hook_worker(rank, world):
@@ -158,14 +224,52 @@ def unused_param_worker(rank, world):
     wrapped = DataParallelBucket(model, dist.group.WORLD, bucket_size_mb=0.0001)
     run_dp(wrapped, rank, world, 2, lambda f: setattr(wrapped, "require_backward_grad_sync", f))
     wrapped.finish_gradient_synchronization()  # must not wait forever for the unused bucket
-    assert torch.equal(model.model.unused.grad, torch.zeros(5))
+    assert torch.equal(model.model.unused.grad, torch.zeros(5)), (
+        "DataParallelBucket.finish_gradient_synchronization: a parameter without gradient gets "
+        "its bucket's zeros"
+    )
     want = reference_grads(2, world)
     got = {n: p.grad for n, p in model.named_parameters() if n in want}
-    assert_grads(got, want, "with an unused parameter")
+    assert_grads(got, want, f"{BUCKET_CODE}, with an unused parameter", "one process")
 
 
 def test_parameter_without_gradient_does_not_hang(tmp_path):
     spawn(BUCKET, unused_param_worker, 2, tmp_path, timeout=60)
+
+
+def bucket_worker(rank, world):
+    """One bucket of two parameters on each rank, its gradients drawn alike on every rank."""
+    from data_parallel import Bucket
+
+    group, params = dist.group.WORLD, [torch.nn.Parameter(torch.zeros(n)) for n in (3, 2)]
+    torch.manual_seed(0)
+    buffers = torch.randn(world, 5)  # rank r's buffer: row r
+    mean = buffers.mean(0)
+    bucket = Bucket(params, buffers[rank].clone(), group)
+    bucket.mark_ready(params[1])
+    assert bucket.handle is None, (
+        "Bucket.mark_ready: the bucket launched when one of its two parameters was ready; it "
+        "launches when the last one is"
+    )
+    bucket.mark_ready(params[0])
+    assert bucket.handle is not None, (
+        "Bucket.mark_ready: both parameters are ready and no all-reduce has started (launch it; "
+        "Bucket.sync_gradient keeps its handle in self.handle)"
+    )
+    bucket.wait()
+    what = "Bucket.sync_gradient (then wait): grad_data"
+    reference = "the mean of the ranks' buffers"
+    assert_matches(bucket.grad_data, mean, what, rtol=1e-5, atol=1e-7, reference=reference)
+    # A parameter without gradient kept this one from launching: wait launches it.
+    unused = Bucket(params, buffers[rank].clone(), group)
+    unused.mark_ready(params[0])
+    unused.wait()
+    what = "Bucket.wait, in a bucket that no hook launched: grad_data"
+    assert_matches(unused.grad_data, mean, what, rtol=1e-5, atol=1e-7, reference=reference)
+
+
+def test_bucket_launches_when_full_and_averages(tmp_path):
+    spawn(BUCKET, bucket_worker, 2, tmp_path, timeout=60)
 
 
 def test_bucket_sizes_count_real_bytes():
@@ -181,13 +285,30 @@ def test_bucket_sizes_count_real_bytes():
     try:
         manager = data_parallel.BucketManager(params, OneRank(), bucket_size=2048)
         sizes = [b.grad_data.numel() * b.grad_data.element_size() for b in manager.buckets]
-        assert all(b.grad_data.dtype == torch.float32 for b in manager.buckets)
+        assert all(b.grad_data.dtype == torch.float32 for b in manager.buckets), (
+            "BucketManager.__init__: the buffers hold fp32 gradients, whatever the parameters' are"
+        )
     finally:
         dist.get_world_size = original
     # 256 fp32 gradients are 1 KiB, so two parameters fill a 2 KiB bucket (bf16 would fit four).
-    assert sizes == [2048] * 4
+    assert sizes == [2048] * 4, (
+        f"BucketManager.__init__: buckets of {sizes} bytes, expected 4 of 2048: a bf16 "
+        "parameter of 256 elements has 1 KiB of fp32 gradients, so two fill a bucket of 2 KiB"
+    )
     # Backward produces the last parameters' gradients first: they fill the first bucket.
-    assert manager.bucket_of[params[-1]] == 0 and manager.bucket_of[params[0]] == 3
+    assert manager.bucket_of[params[-1]] == 0 and manager.bucket_of[params[0]] == 3, (
+        f"BucketManager.__init__: bucket_of puts the first and the last parameter in buckets "
+        f"{manager.bucket_of[params[0]]} and {manager.bucket_of[params[-1]]}, expected 3 and 0: "
+        "backward produces the last parameters' gradients first"
+    )
+    for i, param in enumerate(params):  # its gradient's place: a view into its bucket's buffer
+        buffer = manager.buckets[manager.bucket_of[param]].grad_data
+        main_grad = getattr(param, "main_grad", None)
+        assert (
+            main_grad is not None
+            and main_grad.shape == param.shape
+            and main_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        ), f"BucketManager.__init__: parameter {i}'s main_grad is no view into its bucket's buffer"
 
 
 def test_loader_split_is_disjoint_and_covers_one_process():
@@ -204,10 +325,18 @@ def test_loader_split_is_disjoint_and_covers_one_process():
     split = [[next(loader)[0][:, 0].tolist() for _ in range(4)] for loader in ranks]
     for k in range(4):  # micro-batch k of rank r is micro-batch 3k + r of the single stream
         for r in range(3):
-            assert split[r][k] == one_process[3 * k + r]
+            assert split[r][k] == one_process[3 * k + r], (
+                f"MicroBatchDataLoader.__next__: micro-batch {k} of dp rank {r} of 3 holds rows "
+                f"{split[r][k]}, expected micro-batch {3 * k + r} of one process, rows "
+                f"{one_process[3 * k + r]}"
+            )
     seen = [row for rank in split for batch in rank for row in batch]
     assert len(seen) == len(set(seen)) == 24
-    assert all(loader.position == single.position for loader in ranks)
+    positions = [loader.position for loader in ranks]
+    assert all(position == single.position for position in positions), (
+        f"MicroBatchDataLoader.__next__: after 4 micro-batches the dp ranks are at rows "
+        f"{positions}, expected {single.position}: each step moves every rank past all ranks' rows"
+    )
 
 
 def train(step, tmp_path, name, nproc=1, accumulation=4, extra=()):

@@ -1,15 +1,29 @@
-"""Steps 7 and 8: pipeline gradients against one process for AFAB and 1F1B, no deadlock across a
+"""Steps 7 and 8: step 7's pieces one at a time (the stages' layers and forward, the messages, a
+stage's backward), pipeline gradients against one process for AFAB and 1F1B, no deadlock across a
 matrix of stages and micro-batches, the in-flight peaks, and training like step 3."""
 
 import json
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import TINY, assert_same_training, check, import_step, read_log, run_step, spawn
+from conftest import (
+    TINY,
+    assert_matches,
+    assert_same_training,
+    check,
+    import_step,
+    read_log,
+    run_step,
+    spawn,
+)
 
 AFAB, ONE_F_ONE_B = "step7_pipeline_parallel_afab", "step8_pipeline_parallel_1f1b"
+FUNCTION = {"afab": "afab", "1f1b": "one_f_one_b"}  # the function that lists each schedule
+ONE = "one process"  # what the pipeline is compared with
 
 
 def config(layers):
@@ -27,11 +41,11 @@ def micro_batches(m):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def schedule_worker(rank, world, cases):
+def schedule_worker(rank, world, cases, engines):
     from process_group_manager import ProcessGroupManager
 
     pgm = ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
-    for engine in ["afab", "1f1b"]:
+    for engine in engines:
         for layers, m in cases:
             check_schedule(rank, world, pgm, engine, layers, m)
 
@@ -59,22 +73,29 @@ def check_schedule(rank, world, pgm, engine, layers, m):
     schedule = Timeline()
     total = pp.run_schedule(actions, stages, batches, loss_fn, (2, 8, 32), torch.device("cpu"),
                             torch.float32, schedule)  # fmt: skip
+    where = f"run_schedule ({engine}, {layers} layers, m={m})"
     if pgm.pp_is_last_stage:
-        torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-6, atol=1e-6)
+        loss = loss_ref.detach()
+        assert_matches(total, loss, f"{where}: the loss", rtol=1e-6, atol=1e-6, reference=ONE)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(
-            param.grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7,
-            msg=lambda msg, name=name: f"{engine} m={m} stage {rank} {name}: {msg}",
-        )  # fmt: skip
+        grad, what = reference.get_parameter(name).grad, f"{where}: the gradient of {name}"
+        assert_matches(param.grad, grad, what, rtol=1e-5, atol=1e-7, reference=ONE)
     # Every micro-batch went forward and backward once, in the schedule's order.
     forwards = [f"F{k}" for k in range(1, m + 1)]
-    assert sorted(schedule.timeline) == sorted(forwards + [f"B{k}" for k in range(1, m + 1)])
+    ran = " ".join(schedule.timeline)
+    assert sorted(schedule.timeline) == sorted(forwards + [f"B{k}" for k in range(1, m + 1)]), (
+        f"{where}, stage {rank} ran {ran}: each micro-batch forward once and backward once, "
+        "each in timeline.run"
+    )
     expected_peak = m if engine == "afab" else min(world - rank, m)
-    assert schedule.peak_in_flight == expected_peak, (rank, schedule.timeline)
+    assert schedule.peak_in_flight == expected_peak, (
+        f"{FUNCTION[engine]}, as run_schedule ran it ({layers} layers, m={m}), stage {rank}: "
+        f"{ran}: held at most {schedule.peak_in_flight} (expected {expected_peak})"
+    )
     # AFAB runs every forward first; 1F1B its warm-up forwards and one more, then a backward.
     first_backward = m if engine == "afab" else min(world - rank, m)
-    assert schedule.timeline[:first_backward] == forwards[:first_backward], schedule.timeline
-    assert schedule.timeline[first_backward] == "B1"
+    assert schedule.timeline[:first_backward] == forwards[:first_backward], (rank, ran)
+    assert schedule.timeline[first_backward] == "B1", (rank, ran)
 
 
 # (layers, micro-batches) per number of stages: uneven layer counts, and accumulation of 1,
@@ -86,11 +107,17 @@ CASES = {
 }
 
 
+# The engines each step runs: step 7's AFAB, which its exercise grades, and both in step 8.
+ENGINES = {"step7": (AFAB, ["afab"]), "step8": (ONE_F_ONE_B, ["afab", "1f1b"])}
+
+
 @pytest.mark.parametrize("pp", sorted(CASES))
-def test_pipeline_gradients_equal_one_process(tmp_path, pp):
+@pytest.mark.parametrize("step", list(ENGINES))
+def test_pipeline_gradients_equal_one_process(tmp_path, step, pp):
     """Loss and every gradient, AFAB and 1F1B, against one process with the same accumulation;
     a deadlock fails the test after two minutes."""
-    spawn(ONE_F_ONE_B, schedule_worker, pp, tmp_path, CASES[pp], timeout=120)
+    folder, engines = ENGINES[step]
+    spawn(folder, schedule_worker, pp, tmp_path, CASES[pp], engines, timeout=120)
 
 
 def test_stage_layers_are_balanced_and_cover_the_model():
@@ -98,9 +125,102 @@ def test_stage_layers_are_balanced_and_cover_the_model():
     for layers in range(1, 9):
         for size in range(1, layers + 1):
             stages = [list(pp.stage_layers(layers, r, size)) for r in range(size)]
-            assert [i for stage in stages for i in stage] == list(range(layers))
-            assert max(map(len, stages)) - min(map(len, stages)) <= 1
-    assert [list(pp.stage_layers(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+            where = f"stage_layers({layers} layers, pp_size={size}) gives the stages {stages}"
+            assert [i for stage in stages for i in stage] == list(range(layers)), (
+                f"{where}: every layer once, in order"
+            )
+            assert max(map(len, stages)) - min(map(len, stages)) <= 1, (
+                f"{where}: no stage more than one layer longer than another"
+            )
+    got = [list(pp.stage_layers(5, r, 2)) for r in range(2)]
+    assert got == [[0, 1, 2], [3, 4]], f"stage_layers: 5 layers over 2 stages are 0-2, 3-4: {got}"
+
+
+def test_stages_one_after_the_other_are_the_model():
+    """PipelineParallel.forward, on one process: each stage's model as keep_stage leaves it, with
+    the weights of the single-device model; the stages run one after the other give the model's
+    activations where it is cut, and at the end its logits."""
+    pp = import_step(AFAB, "pipeline_parallel")
+    LlamaForCausalLM = import_step(AFAB, "model").LlamaForCausalLM
+
+    layers = 5
+    reference = LlamaForCausalLM(config(layers))
+    reference.init_weights(seed=9)
+    ids = micro_batches(1)[0][0]  # (B, T)
+    for size in (2, 3):
+        x, expected = ids, reference.model.embed_tokens(ids)
+        for rank in range(size):
+            pgm = SimpleNamespace(
+                pp_rank=rank, pp_size=size, pp_is_first_stage=rank == 0,
+                pp_is_last_stage=rank == size - 1,
+            )  # fmt: skip
+            with torch.device("meta"):
+                model = pp.keep_stage(LlamaForCausalLM(config(layers)), pgm)
+            model.to_empty(device="cpu")
+            model.init_weights(seed=9)
+            kept = pp.stage_layers(layers, rank, size)
+            for i in kept:
+                expected = reference.model.layers[i](expected)
+            if pgm.pp_is_last_stage:
+                expected = reference.lm_head(reference.model.norm(expected))
+            what = f"PipelineParallel.forward, stage {rank} of {size} (layers "
+            what += f"{kept.start}-{kept.stop - 1}): {'logits' if rank == size - 1 else 'output'}"
+            x = pp.PipelineParallel(model)(x)
+            assert_matches(x, expected, what, rtol=1e-5, atol=1e-6, reference="the model")
+
+
+def send_recv_worker(rank, world):
+    import pipeline_parallel as pp
+
+    generator = torch.Generator().manual_seed(7)
+    # A tensor from each rank, transposed: not contiguous in memory, as a stage's output can be.
+    tensors = [torch.randn(2, 4, 3, generator=generator).transpose(1, 2) for _ in range(world)]
+    peer = 1 - rank
+    receive = pp.Recv((2, 3, 4), peer, torch.device("cpu"))  # posted before the peer sends
+    dist.barrier()
+    send = pp.Send(tensors[rank], peer)
+    got = receive.wait()
+    what, sent = "Recv.wait: the tensor received", "the other rank sent"
+    assert_matches(got, tensors[peer], what, rtol=0, atol=0, reference=sent)
+    assert send.wait() is None and isinstance(got, torch.Tensor)
+
+
+def test_send_and_recv_carry_a_tensor_between_two_stages(tmp_path):
+    """Recv and Send, on 2 ranks: each receives the other's tensor, its receive posted before
+    the other sends."""
+    spawn(AFAB, send_recv_worker, 2, tmp_path, timeout=60)
+
+
+def test_stage_backward_gives_its_input_gradient():
+    """Stage.backward, on one process: a middle stage gets its output's gradient and returns its
+    input's; the last starts from its loss; the first returns none. Each also leaves its
+    weights' gradients, as autograd gives them."""
+    pp = import_step(AFAB, "pipeline_parallel")
+    torch.manual_seed(0)
+    for rank, place in [(1, "a middle stage"), (2, "the last stage"), (0, "the first stage")]:
+        pgm = SimpleNamespace(pp_rank=rank, pp_size=3, pp_group_ids=[0, 1, 2])
+        layer = torch.nn.Linear(4, 4)
+        reference = torch.nn.Linear(4, 4)
+        reference.load_state_dict(layer.state_dict())
+        stage = pp.Stage(layer, pgm)
+        x = torch.randn(2, 3, 4)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, y_ref = stage.forward(x1), reference(x2)
+        grad = torch.randn_like(y)
+        if rank == 2:  # the last stage's output is its loss
+            y, y_ref, grad = (y * grad).sum(), (y_ref * grad).sum(), None
+        got = stage.backward(x1, y, grad)
+        y_ref.backward(grad)
+        where = f"Stage.backward on {place}"
+        if rank == 0:
+            returned = type(got).__name__  # its type: pytest would print the whole tensor
+            assert returned == "NoneType", f"{where} returns a {returned}: there is no stage before"
+        else:
+            what = f"{where}: the input's gradient"
+            assert_matches(got, x2.grad, what, rtol=1e-6, atol=1e-7, reference="autograd")
+        for name, param in layer.named_parameters():
+            want, what = reference.get_parameter(name).grad, f"{where}: {name}.grad"
+            assert_matches(param.grad, want, what, rtol=1e-6, atol=1e-7, reference="autograd")
 
 
 def test_bad_pipeline_shapes_are_refused():
@@ -183,16 +303,18 @@ def test_timeline_flag_prints_each_stage_and_writes_a_trace(tmp_path, engine):
     check_pipeline_trace(json.loads(trace.read_text()), printed, engine=engine)
 
 
-@pytest.mark.parametrize("engine", ["1f1b", "afab"])
-def test_neighbours_post_their_messages_in_the_same_order(monkeypatch, engine):
+@pytest.mark.parametrize(
+    ("step", "engine"),
+    [(AFAB, "afab"), (ONE_F_ONE_B, "afab"), (ONE_F_ONE_B, "1f1b")],
+    ids=["step7-afab", "step8-afab", "step8-1f1b"],
+)
+def test_neighbours_post_their_messages_in_the_same_order(monkeypatch, step, engine):
     """NCCL runs the sends and receives between two ranks in the order they were posted, so two
     neighbours must post theirs in the same order (each send facing its receive), or both wait for
     ever. gloo matches them in any order, so the tests above cannot see it. Here each stage runs
     its schedule alone, sends and receives recorded instead of carried out, and the record of
     every pair of neighbours must mirror each other."""
-    from types import SimpleNamespace
-
-    pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
+    pp = import_step(step, "pipeline_parallel")
 
     class Scale(torch.nn.Module):  # a stand-in stage: the schedule only needs a graph
         def __init__(self):
@@ -230,9 +352,16 @@ def test_neighbours_post_their_messages_in_the_same_order(monkeypatch, engine):
                             (1, 3), torch.device("cpu"), torch.float32)  # fmt: skip
         for rank in range(p - 1):
             ours, theirs = posted[(rank, rank + 1)], posted[(rank + 1, rank)]
-            assert len(ours) == 2 * m, (p, m, rank, ours)
+            where = f"run_schedule ({engine}, pp_size={p}, m={m}): stage {rank} posts"
+            assert len(ours) == 2 * m, (
+                f"{where} {len(ours)} messages to stage {rank + 1}, expected {2 * m}: one "
+                f"activation and one gradient per micro-batch ({' '.join(ours)})"
+            )
             mirrored = ["recv" if kind == "send" else "send" for kind in theirs]
-            assert ours == mirrored, (p, m, rank, ours, theirs)
+            assert ours == mirrored, (
+                f"{where} {' '.join(ours)} to stage {rank + 1}, which posts {' '.join(theirs)}: "
+                "each send must face its receive"
+            )
 
 
 def check_pipeline_trace(trace, timelines, engine):

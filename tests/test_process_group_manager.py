@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CLEAN_FORK, import_step, run_step, spawn
+from conftest import CLEAN_FORK, assert_matches, import_step, run_step, spawn
 
 pgm_lib = import_step("step2_process_group_manager", "process_group_manager")
 
@@ -52,19 +52,43 @@ def test_grid_membership(tmp_path, tp, pp, dp):
     spawn("step2_process_group_manager", worker, world, tmp_path, (tp, pp, dp), results)
     for rank in range(world):
         want, got = expected(rank, dp, pp, tp), results[rank]
-        assert got["coords"] == want["coords"], rank
+        where = f"ProcessGroupManager.__init__ of rank {rank} at dp {dp} x pp {pp} x tp {tp}"
+        assert got["coords"] == want["coords"], (
+            f"{where}: (dp_rank, pp_rank, tp_rank) is {got['coords']}, expected {want['coords']}"
+        )
         for axis in ["tp", "pp", "dp"]:
-            assert got["ids"][axis] == want[axis], (rank, axis)
-            assert got["members"][axis] == want[axis], (rank, axis)
+            assert got["ids"][axis] == want[axis], (
+                f"{where}: {axis}_group_ids is {got['ids'][axis]}, expected {want[axis]}"
+            )
+            assert got["members"][axis] == want[axis], (
+                f"{where}: an all-gather over {axis}_group reached {got['members'][axis]}, "
+                f"expected {want[axis]} (ProcessGroupManager.group keeps this rank's group)"
+            )
         pp_rank, pp_ids = want["coords"][1], want["pp"]
         prev = pp_ids[pp_rank - 1] if pp_rank > 0 else None
         following = pp_ids[pp_rank + 1] if pp_rank < pp - 1 else None
-        assert got["stages"] == [pp_rank == 0, pp_rank == pp - 1, prev, following], rank
+        stages = [pp_rank == 0, pp_rank == pp - 1, prev, following]
+        assert got["stages"] == stages, (
+            f"{where}: pp_is_first_stage, pp_is_last_stage, pp_prev_rank, pp_next_rank are "
+            f"{got['stages']}, expected {stages}"
+        )
 
 
 def test_grid_layout_tp_fastest():
+    """The grid of (dp, pp, tp), tp fastest, against the formula of `expected`; sizes that differ
+    from each other, so that axes in the wrong order cannot pass for the right ones."""
+    formula = "(dp_rank * pp + pp_rank) * tp + tp_rank"
     grid = pgm_lib.grid(8, tp_size=2, pp_size=2, dp_size=2)
-    assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    want = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    assert_matches(grid, want, "grid(8, tp 2, pp 2, dp 2)", rtol=0, atol=0, reference=formula)
+    for dp, pp, tp in [(2, 3, 4), (3, 1, 2), (1, 3, 2), (3, 2, 1)]:
+        world = dp * pp * tp
+        want = torch.zeros(dp, pp, tp, dtype=torch.int64)
+        for rank in range(world):
+            want[tuple(expected(rank, dp, pp, tp)["coords"])] = rank
+        grid = pgm_lib.grid(world, tp_size=tp, pp_size=pp, dp_size=dp)
+        what = f"grid({world}, tp {tp}, pp {pp}, dp {dp})"
+        assert_matches(grid, want, what, rtol=0, atol=0, reference=formula)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +182,20 @@ def built_by_names(step, rank, dp, pp, cp, tp):
 SHAPES = [(2, 3, 1, 4), (3, 1, 1, 2), (2, 2, 3, 1), (1, 3, 2, 2), (3, 2, 2, 1), (1, 1, 1, 1)]
 
 
+def test_group_ranks_are_the_permuted_grids():
+    """Step 2's group_ranks, given a grid laid out by hand: the groups of an axis, or of two
+    named in any order, one row each, its ranks in grid order, as todays_groups permutes them."""
+    for dp, pp, tp in [(2, 3, 4), (3, 1, 2), (1, 3, 2), (3, 2, 1), (2, 2, 2)]:
+        grid, rows = todays_groups(dp, pp, 1, tp)
+        grid = grid.view(dp, pp, tp)
+        rows["dp_pp"] = grid.permute(2, 0, 1).reshape(-1, dp * pp).tolist()
+        named = {("tp",): "tp", ("pp",): "pp", ("dp",): "dp", ("pp", "dp"): "dp_pp"}
+        for axes, name in named.items():
+            what = f"group_ranks(grid dp {dp} x pp {pp} x tp {tp}, {', '.join(map(repr, axes))})"
+            got, want = pgm_lib.group_ranks(grid, *axes), torch.tensor(rows[name])
+            assert_matches(got, want, what, rtol=0, atol=0, reference="the permuted grid")
+
+
 @pytest.mark.parametrize("dp, pp, cp, tp", SHAPES)
 def test_groups_from_axis_names_are_the_permuted_grids(dp, pp, cp, tp):
     """Steps 2 and 11 build, from the names of the axes, the rank layout and the groups that a
@@ -171,25 +209,38 @@ def test_groups_from_axis_names_are_the_permuted_grids(dp, pp, cp, tp):
             pgm, fake = built_by_names(step, rank, dp, pp, cp, tp)
             orders.add(str([ranks for ranks, _ in fake.created]))
             where = (grid == rank).nonzero()[0].tolist()
-            assert [pgm.dp_rank, pgm.pp_rank, getattr(pgm, "cp_rank", 0), pgm.tp_rank] == where
+            init = f"{step}: ProcessGroupManager.__init__ of rank {rank} at {(dp, pp, cp, tp)}"
+            coords = [pgm.dp_rank, pgm.pp_rank, getattr(pgm, "cp_rank", 0), pgm.tp_rank]
+            assert coords == where, f"{init}: its (dp, pp, cp, tp) ranks are {coords}, not {where}"
             assert [pgm.dp_size, pgm.pp_size, getattr(pgm, "cp_size", 1), pgm.tp_size] == [
                 dp,
                 pp,
                 cp,
                 tp,
-            ]
+            ], f"{init}: the sizes"
+            group = f"{step}: ProcessGroupManager.group of rank {rank} at {(dp, pp, cp, tp)}"
             created = sorted(ranks for ranks, _ in fake.created)
-            assert created == sorted(r for axis in axes for r in rows[axis]), (step, rank)
-            assert all(options == {"timeout": timedelta(seconds=7)} for _, options in fake.created)
+            assert created == sorted(r for axis in axes for r in rows[axis]), (
+                f"{group}: dist.new_group made {created}, expected every group of every axis"
+            )
+            assert all(
+                options == {"timeout": timedelta(seconds=7)} for _, options in fake.created
+            ), f"{group}: dist.new_group's options were not the manager's timeout"
             for axis in axes:
                 mine = next(ranks for ranks in rows[axis] if rank in ranks)
-                assert getattr(pgm, f"{axis}_group_ids") == mine, (step, rank, axis)
-                assert fake.created[getattr(pgm, f"{axis}_group")][0] == mine, (step, rank, axis)
+                got = getattr(pgm, f"{axis}_group_ids")
+                assert got == mine, f"{init}: {axis}_group_ids is {got}, not {mine}"
+                got = fake.created[getattr(pgm, f"{axis}_group")][0]
+                assert got == mine, f"{group}: {axis}_group is the group of {got}, not of {mine}"
             if step.startswith("step11"):
                 assert pgm.group("cp", "dp") == (pgm.dp_cp_group, pgm.dp_cp_group_ids)
-            assert pgm.group("tp") == (pgm.tp_group, pgm.tp_group_ids)
-            assert len(fake.created) == sum(len(rows[axis]) for axis in axes)  # once each
-        assert len(orders) == 1, step  # every rank created every group in the same order
+            assert pgm.group("tp") == (pgm.tp_group, pgm.tp_group_ids), (
+                f"{group}: a second call for tp gave another group than the first"
+            )
+            assert len(fake.created) == sum(len(rows[axis]) for axis in axes), (
+                f"{group}: dist.new_group made {len(fake.created)} groups, expected each once"
+            )
+        assert len(orders) == 1, f"{step}: the ranks created the groups in different orders"
 
 
 def test_an_unknown_axis_is_refused():

@@ -22,8 +22,15 @@ SHAPES = {
 }
 
 
-def ours(engine, p, m):
-    pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
+# (step, engine): each schedule in the step that introduces it, which grades it (tools/steps.py),
+# and AFAB again in step 8's copy.
+ENGINES = [(AFAB, "afab"), (ONE_F_ONE_B, "afab"), (ONE_F_ONE_B, "1f1b")]
+ENGINE_IDS = ["step7-afab", "step8-afab", "step8-1f1b"]
+FUNCTION = {"afab": "afab", "1f1b": "one_f_one_b"}  # the function that lists each schedule
+
+
+def ours(engine, p, m, step=ONE_F_ONE_B):
+    pp = import_step(step, "pipeline_parallel")
     return [[f"{a.kind}{a.micro_batch}" for a in actions] for actions in pp.SCHEDULES[engine](p, m)]
 
 
@@ -69,10 +76,14 @@ def torch_lists(engine, p, m):
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("engine", ["afab", "1f1b"])
-def test_each_stage_runs_what_torch_runs(engine):
+@pytest.mark.parametrize(("step", "engine"), ENGINES, ids=ENGINE_IDS)
+def test_each_stage_runs_what_torch_runs(step, engine):
     for p, m in SHAPES[engine]:
-        assert ours(engine, p, m) == torch_runs(engine, p, m), (engine, p, m)
+        mine, theirs = ours(engine, p, m, step), torch_runs(engine, p, m)
+        assert mine == theirs, (
+            f"{FUNCTION[engine]}(pp_size={p}, m={m}) lists {mine}, torch's "
+            f"{TORCH[engine][1]} runs {theirs} (micro-batches counted from 0)"
+        )
 
 
 @pytest.mark.parametrize("engine", ["afab", "1f1b"])
@@ -89,20 +100,24 @@ def test_each_stage_runs_what_torch_lists(engine):
         assert listed[-1] in (mine[-1], late), (engine, p, m, listed[-1])
 
 
-def test_what_each_schedule_holds():
+@pytest.mark.parametrize(("step", "engine"), ENGINES, ids=ENGINE_IDS)
+def test_what_each_schedule_holds(step, engine):
     """Every micro-batch forward once and backward once, its forward first; AFAB holds all m,
-    1F1B at most pp_size - pp_rank (never more than m)."""
-    pp = import_step(ONE_F_ONE_B, "pipeline_parallel")
-    for p in range(1, 6):
-        for m in range(1, 10):
-            for engine in ["afab", "1f1b"]:
-                for r, actions in enumerate(pp.SCHEDULES[engine](p, m)):
-                    bound = m if engine == "afab" else min(p - r, m)
-                    order = [str(a) for a in actions]
-                    for k in range(1, m + 1):
-                        assert order.count(f"F{k}") == order.count(f"B{k}") == 1, order
-                        assert order.index(f"F{k}") < order.index(f"B{k}"), order
-                    assert pp.held(actions) == bound, (engine, p, m, r, order)
+    1F1B at most pp_size - pp_rank (never more than m). The lesson's table (pp_size 4, m = 8)
+    first, then pp_size 1 to 5 with m 1 to 9."""
+    pp = import_step(step, "pipeline_parallel")
+    for p, m in [(4, 8), *((p, m) for p in range(1, 6) for m in range(1, 10))]:
+        for r, actions in enumerate(pp.SCHEDULES[engine](p, m)):
+            bound = m if engine == "afab" else min(p - r, m)
+            order = [str(a) for a in actions]
+            where = f"{FUNCTION[engine]}(pp_size={p}, m={m}), stage {r}: {' '.join(order)}"
+            for k in range(1, m + 1):
+                assert order.count(f"F{k}") == order.count(f"B{k}") == 1, (
+                    f"{where}: F{k} and B{k} must each run once"
+                )
+                assert order.index(f"F{k}") < order.index(f"B{k}"), f"{where}: B{k} before F{k}"
+            held = pp.held(actions)
+            assert held == bound, f"{where}: held at most {held} (expected {bound})"
 
 
 def test_stages_find_their_neighbours_around_the_ring():
@@ -118,12 +133,20 @@ def test_stages_find_their_neighbours_around_the_ring():
     places = {(r, c): (stage(r, c).is_first, stage(r, c).is_last) for r in range(4) for c in (0, 1)}
     assert places == {
         (r, c): ((r, c) == (0, 0), (r, c) == (3, 1)) for r in range(4) for c in (0, 1)
-    }
-    assert (stage(3, 0).next_rank, stage(0, 1).prev_rank) == (10, 13)
-    assert [(stage(r, 0).prev_rank, stage(r, 0).next_rank) for r in range(4)] == [
-        (13, 11), (10, 12), (11, 13), (12, 10),
-    ]  # fmt: skip
-    assert (stage(0, 0, 1).is_first, stage(3, 0, 1).is_last) == (True, True)
+    }, f"Stage.__init__: (is_first, is_last) of (rank, chunk), two chunks on 4 ranks: {places}"
+    assert (stage(3, 0).next_rank, stage(0, 1).prev_rank) == (10, 13), (
+        "Stage.__init__: rank 3's chunk 0 sends to rank 0 (global rank 10), which receives from "
+        f"rank 3 (13); got next_rank {stage(3, 0).next_rank}, prev_rank {stage(0, 1).prev_rank}"
+    )
+    neighbours = [(stage(r, 0).prev_rank, stage(r, 0).next_rank) for r in range(4)]
+    want = [(13, 11), (10, 12), (11, 13), (12, 10)]
+    assert neighbours == want, (
+        f"Stage.__init__: (prev_rank, next_rank) of ranks 0 to 3 (global ranks 10 to 13) are "
+        f"{neighbours}, expected {want}"
+    )
+    assert (stage(0, 0, 1).is_first, stage(3, 0, 1).is_last) == (True, True), (
+        "Stage.__init__: with one chunk, rank 0 is the first stage and rank 3 the last"
+    )
 
 
 def table(step, *args):

@@ -148,12 +148,208 @@ TP_GRADED = (
     f"{TP_TESTS}test_model_matches_single_device[untied]",
     f"{TP_TESTS}test_tp2_trains_like_one_process",
 )  # fmt: skip
+# Step 7: the cut (which layers a stage holds, what it runs), the schedule as data, the messages,
+# the stage's seam, then the executor that runs a schedule with them.
+PP = "pipeline_parallel.py"
+PP_BLANKS = (
+    Blank(PP, "stage_layers",
+          "consecutive layers; when pp_size does not divide num_layers, the first stages take "
+          "one more"),
+    Blank(PP, "PipelineParallel.forward",
+          "what this stage kept, in the model's order: embed_tokens, its layers, then norm and "
+          "lm_head"),
+    Blank(PP, "afab", "each stage's list of actions: every micro-batch forward, then every one "
+          "backward"),
+    Blank(PP, "Recv.__init__",
+          "post a non-blocking receive from peer into a new buffer of this shape; keep both"),
+    Blank(PP, "Recv.wait", "wait until the tensor has arrived, then give it"),
+    Blank(PP, "Send.__init__",
+          "start a non-blocking send to peer, of the tensor made contiguous and kept alive"),
+    Blank(PP, "Send.wait", "wait until the tensor has left"),
+    Blank(PP, "Stage.__init__",
+          "this chunk's place in the pipeline, chunk * pp_size + pp_rank: first? last? and the "
+          "global ranks before and after it around the ring"),
+    Blank(PP, "Stage.backward",
+          "autograd from y, grad its gradient (None: y is the loss); x's gradient goes to the "
+          "stage before"),
+    Blank(PP, "run_schedule",
+          "F: the input (received one forward ahead unless first), forward, loss / m on the last, "
+          "send it on; B: the gradient (unless last), backward, send x's gradient back"),
+)  # fmt: skip
+PP_TESTS, SCHEDULE_TESTS = "tests/test_pipeline_parallel.py::", "tests/test_schedules.py::"
+PP_GRADED = (
+    f"{PP_TESTS}test_stage_layers_are_balanced_and_cover_the_model",
+    f"{PP_TESTS}test_stages_one_after_the_other_are_the_model",
+    f"{SCHEDULE_TESTS}test_each_stage_runs_what_torch_runs[step7-afab]",
+    f"{PP_TESTS}test_send_and_recv_carry_a_tensor_between_two_stages",
+    f"{SCHEDULE_TESTS}test_stages_find_their_neighbours_around_the_ring",
+    f"{PP_TESTS}test_stage_backward_gives_its_input_gradient",
+    f"{PP_TESTS}test_neighbours_post_their_messages_in_the_same_order[step7-afab]",
+    *(f"{PP_TESTS}test_pipeline_gradients_equal_one_process[step7-{pp}]" for pp in (2, 3, 4)),
+    f"{PP_TESTS}test_afab_pp2_uneven_trains_like_one_process",
+)
+# Step 8: one more schedule, the list of actions of 1F1B; step 7's executor runs it.
+ONE_F_ONE_B_BLANKS = (
+    Blank(PP, "one_f_one_b",
+          "the warm-up's forwards, then one forward and one backward (the oldest held) in turn, "
+          "then the backwards left"),
+)  # fmt: skip
+ONE_F_ONE_B_GRADED = (
+    f"{SCHEDULE_TESTS}test_what_each_schedule_holds[step8-1f1b]",
+    f"{SCHEDULE_TESTS}test_each_stage_runs_what_torch_runs[step8-1f1b]",
+    f"{PP_TESTS}test_neighbours_post_their_messages_in_the_same_order[step8-1f1b]",
+    "tests/test_comm_stats.py::test_pipeline_passes_one_activation_and_one_gradient_per_micro_batch",
+    *(f"{PP_TESTS}test_pipeline_gradients_equal_one_process[step8-{pp}]" for pp in (2, 3, 4)),
+    f"{PP_TESTS}test_1f1b_pp2_dp2_trains_like_one_process",
+)
+# Step 2: the grid, the rows of a group's ranks in it, then the manager that places this rank and
+# makes the groups.
+PGM = "process_group_manager.py"
+PGM_BLANKS = (
+    Blank(PGM, "grid",
+          "the world's ranks in one dimension per entry of AXES, in that order: the last varies "
+          "fastest"),
+    Blank(PGM, "group_ranks",
+          "the other axes of the grid to the front, these to the back; then one row of ranks per "
+          "group"),
+    Blank(PGM, "ProcessGroupManager.__init__",
+          "check_sizes; global_rank, world_size, the grid; per axis {axis}_rank, _size, _group, "
+          "_group_ids; the pp stages' first, last, prev and next"),
+    Blank(PGM, "ProcessGroupManager.group",
+          "the first call for some axes makes every one of their groups, on every rank, with the "
+          "timeout; keep this rank's and its ranks"),
+)  # fmt: skip
+PGM_TESTS = "tests/test_process_group_manager.py::"
+PGM_GRADED = (
+    f"{PGM_TESTS}test_grid_layout_tp_fastest",
+    f"{PGM_TESTS}test_group_ranks_are_the_permuted_grids",
+    f"{PGM_TESTS}test_groups_from_axis_names_are_the_permuted_grids[2-3-1-4]",
+    f"{PGM_TESTS}test_grid_membership[2-2-2]",
+    "tests/test_train.py::test_step2_every_rank_trains_its_own_copy",
+)
+# Step 5: the wrapper's hooks and their all-reduce, then each dp rank's share of the batches.
+DP = "data_parallel.py"
+NAIVE_BLANKS = (
+    Blank(DP, "DataParallelNaive.__init__",
+          "keep module, dp_group, dp_size and require_backward_grad_sync (True); on each trainable "
+          "parameter, a hook that runs once its gradient has accumulated"),
+    Blank(DP, "DataParallelNaive._all_reduce_grad",
+          "on the last micro-batch only: param.grad becomes its average over dp_group, in place"),
+    Blank("dataloader.py", "MicroBatchDataLoader.__next__",
+          "micro-batch k of dp rank r is micro-batch k * dp_size + r of step 3's stream; position "
+          "counts every rank's rows"),
+)  # fmt: skip
+DP_TESTS = "tests/test_data_parallel.py::"
+NAIVE_GRADED = (
+    *(f"{DP_TESTS}test_naive_gradients_equal_one_process_and_ddp[{m}]" for m in (1, 3)),
+    f"{DP_TESTS}test_loader_split_is_disjoint_and_covers_one_process",
+    f"{DP_TESTS}test_naive_all_reduces_each_gradient_once_a_step",
+    f"{DP_TESTS}test_dp2_trains_like_one_process[step5_data_parallel_naive]",
+)
+# Step 6: the buckets' layout, a bucket's launch, all-reduce and wait, then the wrapper's hook and
+# its wait.
+BUCKET_BLANKS = (
+    Blank(DP, "BucketManager.__init__",
+          "fill buckets of up to bucket_size bytes of grad_dtype in backward's order (the "
+          "parameters reversed); main_grad: a view of its bucket's buffer; bucket_of"),
+    Blank(DP, "Bucket.mark_ready", "launch the bucket when the last of its parameters is ready"),
+    Blank(DP, "Bucket.sync_gradient",
+          "average the buffer over dp_group by an asynchronous all-reduce, its handle in "
+          "self.handle (at dp 1: nothing to send)"),
+    Blank(DP, "Bucket.wait",
+          "a bucket that no hook launched (a parameter without gradient) launches now; then wait "
+          "for its handle"),
+    Blank(DP, "DataParallelBucket._accumulate_grad",
+          "add the micro-batch's grad into main_grad and free it; on the last micro-batch, tell "
+          "the timeline, and the bucket that this parameter is ready"),
+    Blank(DP, "DataParallelBucket.finish_gradient_synchronization",
+          "wait for every bucket, under timeline.wait(); then each main_grad is its parameter's "
+          ".grad, in the parameter's dtype"),
+)  # fmt: skip
+BUCKET_GRADED = (
+    f"{DP_TESTS}test_bucket_sizes_count_real_bytes",
+    f"{DP_TESTS}test_bucket_launches_when_full_and_averages",
+    *(f"{DP_TESTS}test_bucket_gradients_equal_one_process_naive_and_ddp[{m}]" for m in (1, 3)),
+    f"{DP_TESTS}test_parameter_without_gradient_does_not_hang",
+    "tests/test_comm_stats.py::test_data_parallel_all_reduces_the_gradients_once",
+    f"{DP_TESTS}test_dp2_trains_like_one_process[step6_data_parallel_bucket]",
+)
+# Step 10: a bucket cut into shards and its reduce-scatter, the optimizer's pieces, the all-gather
+# of the updated shards, then the norm from the shards.
+ZERO = "zero.py"
+ZERO_BLANKS = (
+    Blank(ZERO, "ShardedBucket.__init__",
+          "a zero fp32 buffer of dp_size equal shards (padded) for Bucket; this rank's start, end "
+          "and grad_shard, a view; each parameter's main_grad view and offset"),
+    Blank(ZERO, "ShardedBucket.in_shard",
+          "where each parameter's run [offset, offset + numel) meets [start, end): (param, first, "
+          "lo, hi)"),
+    Blank(ZERO, "ShardedBucket.sync_gradient",
+          "average in place: an asynchronous reduce-scatter of the buffer into grad_shard, its "
+          "handle in self.handle (at dp 1: nothing to send)"),
+    Blank(ZERO, "DataParallelZero1.finish_gradient_synchronization",
+          "wait for every bucket, under timeline.wait(); no parameter gets a .grad"),
+    Blank(ZERO, "DataParallelZero1.shard",
+          "for each run in_shard of the wanted parameters: a detached view, its run of the buffer "
+          "as .grad; (piece, first) in self.pieces"),
+    Blank(ZERO, "ShardedBucket.start_all_gather",
+          "this rank's updated runs into its shard of the buffer, then an asynchronous all-gather "
+          "of the buffer: return its handle"),
+    Blank(ZERO, "ShardedBucket.copy_parameters_out", "each parameter takes its run of the buffer"),
+    Blank(ZERO, "DataParallelZero1.all_gather_parameters",
+          "start every bucket's all-gather, then wait for each in turn and copy its parameters "
+          "out"),
+    Blank(ZERO, "DataParallelZero1.clip_grad_norm",
+          "placement's grad_norm of this rank's pieces (each over its placed axes and "
+          "shard_axes; a tied copy once), then scale every grad_shard as torch does"),
+)  # fmt: skip
+ZERO_TESTS = "tests/test_zero1.py::"
+ZERO_GRADED = (
+    *(f"{ZERO_TESTS}test_piece_matches_one_process[{piece}]"
+      for piece in ("layout", "in_shard", "reduce_scatter", "shard", "all_gather", "clip")),
+    "tests/test_comm_stats.py::test_zero1_sends_the_bytes_of_data_parallel",
+    f"{ZERO_TESTS}test_sharded_adamw_equals_adamw_on_one_process",
+    f"{ZERO_TESTS}test_trains_like_step9[dp2-reference]",
+)  # fmt: skip
+# Step 11: the merge of two partial softmaxes, which blocks a rank computes, the ring's messages;
+# then ring attention forward and backward, and the layer that feeds it its chunks' positions.
+CP = "context_parallel.py"
+CP_BLANKS = (
+    Blank(CP, "merge",
+          "each part was normalised by exp(its lse): renormalise both by the merged one and add; "
+          "return the merged lse too"),
+    Blank(CP, "blocks",
+          "(i, j, causal) for this rank's query chunk i and the source's key chunk j, unless every "
+          "key comes after every query"),
+    Blank(CP, "ring_send_recv",
+          "post in one batch a send of each tensor to the next rank of the group and a receive of "
+          "its shape from the one before"),
+    Blank(CP, "RingAttention.forward",
+          "cp_size steps: attend to the k, v block held (spans) while it travels on, merge in "
+          "fp32; save what backward needs"),
+    Blank(CP, "RingAttention.backward",
+          "the blocks go around again: attend_backward with the final out and lse; each block's "
+          "dk, dv travel with it and come home"),
+    Blank(CP, "ContextParallelAttention.forward",
+          "q, k, v as in LlamaAttention; RoPE at the global positions of this rank's chunks; "
+          "RingAttention; o_proj"),
+)  # fmt: skip
+CP_TESTS = "tests/test_context_parallel.py::"
+CP_GRADED = (
+    f"{CP_TESTS}test_merge_gives_attention_over_both_blocks",
+    f"{CP_TESTS}test_blocks_are_the_causal_half_shared_evenly",
+    f"{CP_TESTS}test_ring_send_recv_passes_to_the_next_rank",
+    *(f"{CP_TESTS}test_ring_attention_equals_full_attention[{part}]"
+      for part in ("forward", "backward", "layer")),
+    "tests/test_comm_stats.py::test_context_parallel_passes_key_value_blocks_around_the_ring",
+    f"{CP_TESTS}test_trains_like_step3[cp2]",
+)  # fmt: skip
 STEPS = [
     Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
          bench={"model": 1}),
     Step("step2_process_group_manager",
          ("process_group_manager.py", "comm_stats.py", "train.py", "README.md"),
-         ("comm_stats.py",)),
+         ("comm_stats.py",), blanks=PGM_BLANKS, graded=PGM_GRADED),
     Step("step3_dataloader",
          ("dataloader.py", "checkpoint.py", "utils.py", "flags.py", "bookkeeping.py", "train.py",
           "README.md"),
@@ -165,19 +361,22 @@ STEPS = [
          blanks=TP_BLANKS, graded=TP_GRADED),
     Step("step5_data_parallel_naive",
          ("data_parallel.py", "dataloader.py", "train.py", "README.md"),
-         convergence=(("dp2_naive", 2, ("--dp_size", "2"), 2),), memory={"dp": 2}),
+         convergence=(("dp2_naive", 2, ("--dp_size", "2"), 2),), memory={"dp": 2},
+         blanks=NAIVE_BLANKS, graded=NAIVE_GRADED),
     Step("step6_data_parallel_bucket",
          ("data_parallel.py", "overlap_timeline.py", "train.py", "README.md"),
          ("data_parallel.py", "overlap_timeline.py"),
-         convergence=(("dp2_bucket", 2, DP2_BUCKETS, 2),), memory={"dp": 2}, bench={"dp": 2}),
+         convergence=(("dp2_bucket", 2, DP2_BUCKETS, 2),), memory={"dp": 2}, bench={"dp": 2},
+         blanks=BUCKET_BLANKS, graded=BUCKET_GRADED),
     Step("step7_pipeline_parallel_afab",
          ("pipeline_parallel.py", "pipeline_timeline.py", "checkpoint.py", "train.py", "README.md"),
          ("pipeline_timeline.py",),
          convergence=(("pp2_afab", 2, (*PP2, "afab"), 1),),
-         memory={"pp": 2, "micro_batches": 4}),
+         memory={"pp": 2, "micro_batches": 4}, blanks=PP_BLANKS, graded=PP_GRADED),
     Step("step8_pipeline_parallel_1f1b", ("pipeline_parallel.py", "train.py", "README.md"),
          convergence=(("pp2_1f1b", 2, (*PP2, "1f1b"), 1),),
-         memory={"pp": 4, "engine": "1f1b", "micro_batches": 8}, bench={"pp": 2}),
+         memory={"pp": 4, "engine": "1f1b", "micro_batches": 8}, bench={"pp": 2},
+         blanks=ONE_F_ONE_B_BLANKS, graded=ONE_F_ONE_B_GRADED),
     Step("step9_3d_parallel", ("checkpoint.py", "hf_import.py", "train.py", "README.md"),
          ("hf_import.py",),
          convergence=(("tp2_dp2_pp2", 8, (*GRID, "--bucket_size_mb", "0.05"), 2),
@@ -189,7 +388,7 @@ STEPS = [
                       ("zero1_tp2_dp2_pp2", 8,
                        (*DP2_BUCKETS, "--tp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b"),
                        2)),
-         memory={"tp": 2, "dp": 2}, bench={"zero": 2}),
+         memory={"tp": 2, "dp": 2}, bench={"zero": 2}, blanks=ZERO_BLANKS, graded=ZERO_GRADED),
     Step("step11_context_parallel",
          ("context_parallel.py", "process_group_manager.py", "dataloader.py",
           "pipeline_parallel.py", "checkpoint.py", "train.py", "README.md"),
@@ -199,7 +398,7 @@ STEPS = [
                       ("dp2_pp2_cp2", 8,
                        ("--cp_size", "2", *PP2, "1f1b", "--dp_size", "2", "--bucket_size_mb",
                         "0.05"), 2)),
-         memory={"cp": 2}, bench={"cp": 2}),
+         memory={"cp": 2}, bench={"cp": 2}, blanks=CP_BLANKS, graded=CP_GRADED),
     Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"),
          ("fully_sharded.py", "zero.py"),
          convergence=(("zero2_dp2", 2, (*DP2_BUCKETS, "--zero_stage", "2"), 2),
