@@ -1,8 +1,9 @@
 """tools/bench.py's agreement checks, run cheaply: our model equals transformers', bucketed and
-naive data parallelism equal DDP, our tensor parallelism's loss equals DTensor's, our 1F1B and
-AFAB gradients equal torch.distributed.pipelining's Schedule1F1B, ZeRO-1's gradients and updated
-weights equal ZeroRedundancyOptimizer's and FSDP2's, and ring attention, the all-gather-KV
-baseline and PyTorch's ring function equal float64 SDPA, so the comparisons cannot rot."""
+naive data parallelism equal DDP, our tensor and sequence parallelism's losses equal DTensor's,
+our 1F1B and AFAB gradients equal torch.distributed.pipelining's Schedule1F1B, ZeRO-1's gradients
+and updated weights equal ZeroRedundancyOptimizer's and FSDP2's, and ring attention, the
+all-gather-KV baseline and PyTorch's ring function equal float64 SDPA, so the comparisons cannot
+rot."""
 
 import sys
 
@@ -57,6 +58,12 @@ def test_tensor_parallel_loss_equals_dtensor(run):
     assert checks(row)["loss"] <= 1e-5, row
 
 
+def test_sequence_parallel_loss_equals_dtensor(run):
+    """Step 13 against DTensor's SequenceParallel plan: the losses of the two steps."""
+    row = run("sp")[("ours", "DTensor")]
+    assert checks(row)["loss"] <= 1e-5, row
+
+
 def test_tensor_parallel_sends_three_all_reduces_fewer_per_block(run):
     """Against the layers each with its own f (q, k, v, gate, up): one f per sublayer saves 2
     all-reduces of (B, T, D) at attention's input and 1 at the MLP's, per block and micro-batch,
@@ -106,7 +113,7 @@ def test_ring_attention_rows_agree_with_float64_sdpa(run):
 
 
 def test_table_shows_every_comparison(run):
-    parts = ["model", "dp", "tp", "pp", "zero", "cp"]
+    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp"]
     rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)
     assert text.count("\n") == len(rows) + 1  # a header, a rule, one line per comparison
@@ -117,9 +124,13 @@ def test_table_shows_every_comparison(run):
 
 def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as error:
-        bench.parse_args(["--parts", "model,sp"])
+        bench.parse_args(["--parts", "model,ep"])
     assert error.value.code == 2
-    assert "unknown sp" in capsys.readouterr().err
+    assert "unknown ep" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        bench.parse_args(["--parts", "sp", "--seq_len", "15"])
+    assert error.value.code == 2
+    assert "--seq_len must be a multiple of tp = 2 for sp" in capsys.readouterr().err
     with pytest.raises(SystemExit) as error:
         bench.parse_args(["--parts", "cp", "--seq_len", "30"])
     assert error.value.code == 2

@@ -359,6 +359,7 @@ LATER_NAMES = {
     10: [r"ZeRO", r"\bzero1\b"],
     11: [r"\bcp\b", r"\bcp_", r"(?i)context.?parallel"],
     12: [r"(?i)zero.?[23]\b", r"zero_stage", r"(?i)fully.?shard"],
+    13: [r"(?i)sequence.?parallel", r"--recompute\b"],
 }
 # model.py is written once, in step 1, for every step: it says why it reads head counts from
 # tensor shapes (tensor parallelism) and runs any slice of its layers (pipeline parallelism).

@@ -1,10 +1,11 @@
 """Our implementations side by side with PyTorch's own, checked to agree, timed in turn.
 
-Our model, data, tensor and pipeline parallelism, ZeRO-1 and ring attention against
-transformers' Llama, DistributedDataParallel, DTensor, torch.distributed.pipelining,
-ZeroRedundancyOptimizer and FSDP2, and PyTorch's ring function.
+Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention and sequence
+parallelism against transformers' Llama, DistributedDataParallel, DTensor,
+torch.distributed.pipelining, ZeroRedundancyOptimizer and FSDP2, PyTorch's ring function and
+DTensor's SequenceParallel plan.
 
-    python tools/bench.py                       # all but cp, the tiny model, 5 minutes on 2 cores
+    python tools/bench.py                       # all but cp, the tiny model, 6 minutes on 2 cores
     python tools/bench.py --parts pp --steps 30 --micro_batches 8
     python tools/bench.py --parts cp --seq_len 4096 --micro_batch_size 1 --steps 10
 
@@ -41,7 +42,7 @@ WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  #
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="model,dp,tp,pp,zero", help="which, in order (or cp)")
+    parser.add_argument("--parts", default="model,dp,tp,pp,zero,sp", help="which, in order (or cp)")
     parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
     for name in bench_parts.OVERRIDES:
         parser.add_argument(f"--{name}", type=int, help="override the config's value")
@@ -58,6 +59,9 @@ def parse_args(argv=None):
     unknown = [p for p in parts if p not in WORLD]
     if unknown:
         parser.error(f"--parts: unknown {','.join(unknown)}; choose from {','.join(WORLD)}")
+    if "sp" in parts and args.seq_len % WORLD["sp"]:
+        parser.error(f"--seq_len must be a multiple of tp = {WORLD['sp']} for sp (each rank its "
+                     f"part of the sequence), got {args.seq_len}")  # fmt: skip
     cp = WORLD["cp"]
     if "cp" in parts and args.seq_len % (2 * cp):
         parser.error(f"--seq_len must be a multiple of 2 * cp = {2 * cp} for cp (two chunks per "

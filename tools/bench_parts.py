@@ -369,6 +369,80 @@ def compare_tp(args, device):
     ]
 
 
+def compare_sp(args, device):
+    """Our sequence parallelism (step 13) against DTensor's plan for it, torchtitan's, on the same
+    model: the embedding and the row-parallel layers give Shard(1) (reduce-scatter), the norms are
+    `SequenceParallel`, attention and the MLP gather their input (`PrepareModuleInput`), lm_head
+    gathers its input and keeps the vocabulary sharded for `loss_parallel`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    sequence_parallel = import_step(part_step("sp"), "sequence_parallel")
+    model_module, tensor_parallel = sys.modules["model"], sys.modules["tensor_parallel"]
+    world, group = dist.get_world_size(), dist.group.WORLD
+    config = load_config(args)
+    inputs, targets = make_batch(config, args, device)
+    pairs = split(inputs, targets, args.micro_batches)
+
+    with torch.device("meta"):
+        ours = model_module.LlamaForCausalLM(config)
+        tensor_parallel.apply_tensor_parallel(ours, group)
+        sequence_parallel.apply_sequence_parallel(ours)
+    ours.to_empty(device=device)
+    ours.init_weights(args.seed)
+
+    theirs = replica(model_module, config, args, device)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    to_sequence = dict(output_layouts=Shard(1), use_local_output=False)
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **to_sequence),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        plan |= {f"{layer}.self_attn": gather, f"{layer}.mlp": gather}
+        for norm in ["input_layernorm", "post_attention_layernorm"]:
+            plan[f"{layer}.{norm}"] = SequenceParallel()
+        for name, style in tensor_parallel.PLAN.items():
+            colwise = style is tensor_parallel.ColumnParallelLinear
+            style = ColwiseParallel() if colwise else RowwiseParallel(**to_sequence)
+            plan[f"{layer}.{name}"] = style
+    mesh = init_device_mesh(device.type, (world,))
+    parallelize_module(theirs, mesh, plan)
+
+    def training_step(model, loss_fn, context):
+        optimizer = adamw(model.parameters())  # DTensor's plan makes every parameter a DTensor
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            with context():
+                loss = accumulate(model, pairs, loss_fn)
+            optimizer.step()
+            return loss
+
+        return step
+
+    ours_loss = lambda logits, y: tensor_parallel.vocab_parallel_cross_entropy(logits, y, group)
+    sides = {
+        "ours": training_step(ours, ours_loss, nullcontext),
+        "DTensor": training_step(theirs, cross_entropy, loss_parallel),
+    }
+    times, losses = alternate(sides, args, device)
+    diff = all_ranks_max(loss_difference(losses, "ours", "DTensor"))
+    return [row(f"sequence parallel, tp {world}", "ours", "DTensor", times, [("loss", diff, 1e-5)])]
+
+
 def compare_pp(args, device):
     """Our AFAB and 1F1B (step 8) against torch.distributed.pipelining's Schedule1F1B, each stage
     the same slice of the model (keep_stage), all the micro-batches of the batch."""
@@ -694,4 +768,4 @@ def compare_cp(args, device):
 
 ### end Ring attention
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
-PARTS |= {"zero": compare_zero, "cp": compare_cp}
+PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}

@@ -114,6 +114,7 @@ DP2_BUCKETS = ("--dp_size", "2", "--bucket_size_mb", "0.05")  # several buckets 
 PP2 = ("--pp_size", "2", "--pp_engine")  # then the engine
 GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
 ZERO3 = ("--zero_stage", "3")
+SP2 = ("--tp_size", "2", "--sequence_parallel")
 # Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
 # gather of the logits, and the plan that puts them all in the model.
 TP = "tensor_parallel.py"
@@ -356,7 +357,7 @@ STEPS = [
          ("utils.py", "flags.py", "bookkeeping.py"), memory={}),
     Step("step4_tensor_parallel",
          ("tensor_parallel.py", "placement.py", "checkpoint.py", "train.py", "README.md"),
-         ("tensor_parallel.py", "placement.py"),
+         ("placement.py",),
          convergence=(("tp2", 2, ("--tp_size", "2"), 1),), memory={"tp": 2}, bench={"tp": 2},
          blanks=TP_BLANKS, graded=TP_GRADED),
     Step("step5_data_parallel_naive",
@@ -399,12 +400,21 @@ STEPS = [
                        ("--cp_size", "2", *PP2, "1f1b", "--dp_size", "2", "--bucket_size_mb",
                         "0.05"), 2)),
          memory={"cp": 2}, bench={"cp": 2}, blanks=CP_BLANKS, graded=CP_GRADED),
-    Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"),
-         ("fully_sharded.py", "zero.py"),
+    Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"), ("zero.py",),
          convergence=(("zero2_dp2", 2, (*DP2_BUCKETS, "--zero_stage", "2"), 2),
                       ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
                       ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
                       ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2))),
+    Step("step13_sequence_parallel",
+         ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
+          "train.py", "README.md"),
+         ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py"),
+         convergence=(("sp_tp2_selective", 2, (*SP2, "--recompute", "selective"), 1),
+                      ("sp_pp2_tp2_full", 4, (*SP2, *PP2, "1f1b", "--recompute", "full"), 1),
+                      ("sp_cp2_tp2", 4, (*SP2, "--cp_size", "2"), 1),
+                      ("sp_dp2_tp2_zero3_full", 4,
+                       (*SP2, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2)),
+         bench={"sp": 2}),
 ]  # fmt: skip
 
 
