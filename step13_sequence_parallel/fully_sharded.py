@@ -304,7 +304,10 @@ class FullyShardedDataParallel(nn.Module):
         if before is not None:
             before.start_gather()
         self.measure()
-        unit.use_whole()  # a recomputed forward (recompute.py) reads them, until reduce_scatter
+        # A recomputed forward (recompute.py) reads them, until reduce_scatter. Backward runs its
+        # hooks without grad mode; the views must carry it, for the forward run again with it.
+        with torch.enable_grad():
+            unit.use_whole()
         return grad
 
     def forward(self, *args, **kwargs):

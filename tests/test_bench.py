@@ -52,6 +52,16 @@ def test_pipeline_gradients_equal_schedule_1f1b(run):
         assert row["ok"]
 
 
+def test_interleaved_gradients_equal_schedule_interleaved_1f1b():
+    """Step 14's interleaved 1F1B, pp 2 x 2 chunks of one layer, m 4, against torch's schedule on
+    the same chunks: every gradient to the bit (both divide the same sums by m = 4)."""
+    args = bench.parse_args([*TINY_BENCH, "--parts", "interleaved", "--num_hidden_layers", "4"])
+    [row] = bench.measure(args, timeout=300)
+    assert row["theirs"] == "ScheduleInterleaved1F1B"
+    assert checks(row)["grad"] == 0.0, row
+    assert row["ok"]
+
+
 def test_tensor_parallel_loss_equals_dtensor(run):
     """The losses of two steps (the checked one and the timed one), each side training."""
     row = run("tp")[("ours", "DTensor")]

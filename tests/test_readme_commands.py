@@ -206,9 +206,11 @@ def overrides(command, args):
 
 
 def model_size(args):
-    """TINY, with as many layers as stages and heads as tensor-parallel ranks."""
+    """TINY, with as many layers as stages (chunks of layers) and heads as tensor-parallel
+    ranks."""
     tiny = dict(zip(TINY[::2], TINY[1::2], strict=True))
     tp, pp = getattr(args, "tp_size", 1), getattr(args, "pp_size", 1)
+    pp *= getattr(args, "pp_virtual_stages", 1)
     if getattr(args, "init_from_hf", None):  # the shape comes from the checkpoint (tiny here)
         return {k: v for k, v in tiny.items() if k.lstrip("-") not in SHAPE}
     tiny["--num_hidden_layers"] = str(max(2, pp))

@@ -360,6 +360,7 @@ LATER_NAMES = {
     11: [r"\bcp\b", r"\bcp_", r"(?i)context.?parallel"],
     12: [r"(?i)zero.?[23]\b", r"zero_stage", r"(?i)fully.?shard"],
     13: [r"(?i)sequence.?parallel", r"--recompute\b"],
+    14: [r"(?i)interleaved 1F1B", r"--pp_engine interleaved", r"pp_virtual_stages"],
 }
 # model.py is written once, in step 1, for every step: it says why it reads head counts from
 # tensor shapes (tensor parallelism) and runs any slice of its layers (pipeline parallelism).

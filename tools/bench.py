@@ -1,11 +1,11 @@
 """Our implementations side by side with PyTorch's own, checked to agree, timed in turn.
 
-Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention and sequence
-parallelism against transformers' Llama, DistributedDataParallel, DTensor,
-torch.distributed.pipelining, ZeroRedundancyOptimizer and FSDP2, PyTorch's ring function and
-DTensor's SequenceParallel plan.
+Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention, sequence parallelism
+and interleaved 1F1B against transformers' Llama, DistributedDataParallel, DTensor,
+torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B), ZeroRedundancyOptimizer and
+FSDP2, PyTorch's ring function and DTensor's SequenceParallel plan.
 
-    python tools/bench.py                       # all but cp, the tiny model, 6 minutes on 2 cores
+    python tools/bench.py                       # all but cp, the tiny model
     python tools/bench.py --parts pp --steps 30 --micro_batches 8
     python tools/bench.py --parts cp --seq_len 4096 --micro_batch_size 1 --steps 10
 
@@ -42,7 +42,8 @@ WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  #
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="model,dp,tp,pp,zero,sp", help="which, in order (or cp)")
+    parts = "model,dp,tp,pp,zero,sp,interleaved"
+    parser.add_argument("--parts", default=parts, help="which, in order (or cp)")
     parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
     for name in bench_parts.OVERRIDES:
         parser.add_argument(f"--{name}", type=int, help="override the config's value")

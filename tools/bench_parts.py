@@ -515,6 +515,94 @@ def compare_pp(args, device):
     ]
 
 
+def compare_interleaved(args, device):
+    """Our interleaved 1F1B (step 14) against torch.distributed.pipelining's
+    ScheduleInterleaved1F1B: two chunks of layers per rank (keep_stage with 2 chunks), each chunk
+    one PipelineStage of theirs, all the micro-batches of the batch."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    model_module = import_step(part_step("interleaved"), "model")
+    pipeline = import_step(part_step("interleaved"), "pipeline_parallel")
+    pgm_module = sys.modules["process_group_manager"]  # the one pipeline_parallel imported
+    world, chunks = dist.get_world_size(), 2
+    pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
+    config = load_config(args)
+    inputs, targets = make_batch(config, args, device)
+    m = args.micro_batches
+    pairs = split(inputs, targets, m)
+    shape = (args.micro_batch_size, args.seq_len, config.hidden_size)  # (B, T, D) between stages
+    pipeline.check_pipeline_parallel(config, world, chunks)  # a layer at least per chunk
+    layers = pipeline.rank_chunks(config.num_hidden_layers, pgm.pp_rank, world, chunks)
+
+    def stage():
+        with torch.device("meta"):
+            model = model_module.LlamaForCausalLM(config)
+            pipeline.keep_stage(model, pgm, chunks)
+        model.to_empty(device=device)
+        model.init_weights(args.seed)
+        return pipeline.PipelineParallel(model, layers)
+
+    class Chunk(nn.Module):
+        """One of the rank's chunks for torch: its own modules only, so that each PipelineStage
+        scales (divides by m) its own parameters' gradients once."""
+
+        def __init__(self, stage, chunk):
+            super().__init__()
+            self.run = lambda x: stage(x, chunk)  # a function, not a submodule
+            inner, last = stage.model.model, chunk == len(stage.chunks) - 1
+            self.layers = nn.ModuleList(inner.layers[name] for name in stage.chunks[chunk])
+            if chunk == 0 and inner.embed_tokens is not None:
+                self.embed_tokens = inner.embed_tokens
+            if last and stage.model.lm_head is not None:
+                self.norm, self.lm_head = inner.norm, stage.model.lm_head
+
+        def forward(self, x):
+            return self.run(x)
+
+    ours = stage()
+    ours_optimizer = adamw(ours.parameters())
+    actions = pipeline.SCHEDULES["interleaved"](world, m, chunks)[pgm.pp_rank]
+    gradients = pipeline.gradient_group(pgm)
+
+    def ours_step():
+        ours_optimizer.zero_grad(set_to_none=True)
+        stages = [pipeline.Stage(ours, pgm, c, chunks, gradients) for c in range(chunks)]
+        args_ = (actions, stages, pairs, cross_entropy, shape, device, torch.float32)
+        loss = pipeline.run_schedule(*args_)
+        ours_optimizer.step()
+        return loss
+
+    theirs = stage()
+    torch_stages = [
+        PipelineStage(Chunk(theirs, c), c * world + pgm.pp_rank, world * chunks, device)
+        for c in range(chunks)
+    ]
+    # ScheduleInterleaved1F1B cuts the batch into m micro-batches itself, sums the micro-batches'
+    # gradients and divides them by m at the end.
+    schedule = ScheduleInterleaved1F1B(torch_stages, m, cross_entropy)
+    theirs_optimizer = adamw(theirs.parameters())
+
+    def theirs_step():
+        theirs_optimizer.zero_grad(set_to_none=True)
+        losses = []
+        if pgm.pp_is_first_stage:
+            schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        else:
+            schedule.step(target=targets, losses=losses, return_outputs=False)
+        theirs_optimizer.step()
+        return (sum(losses) / m).detach() if losses else torch.zeros(())
+
+    sides = {"interleaved": ours_step, "ScheduleInterleaved1F1B": theirs_step}
+    for step in sides.values():
+        step()
+    reference = {name: p.grad for name, p in theirs.named_parameters()}
+    diff = all_ranks_max(max_grad_difference(ours, reference))
+    times, losses = alternate(sides, args, device)
+    part = f"interleaved pipeline, pp {world} x 2 chunks, m {m}"
+    return [row(part, "interleaved", "ScheduleInterleaved1F1B", times, [("grad", diff, 1e-6)])]
+
+
 def compare_zero(args, device):
     """ZeRO-1 (step 10's DataParallelZero1: buckets reduce-scattered during backward, AdamW on
     this rank's shard, the parameters all-gathered after the step) against PyTorch's
@@ -769,3 +857,4 @@ def compare_cp(args, device):
 ### end Ring attention
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
 PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}
+PARTS |= {"interleaved": compare_interleaved}

@@ -115,6 +115,7 @@ PP2 = ("--pp_size", "2", "--pp_engine")  # then the engine
 GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b")
 ZERO3 = ("--zero_stage", "3")
 SP2 = ("--tp_size", "2", "--sequence_parallel")
+INTERLEAVED = ("--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_stages", "2")
 # Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
 # gather of the logits, and the plan that puts them all in the model.
 TP = "tensor_parallel.py"
@@ -415,6 +416,12 @@ STEPS = [
                       ("sp_dp2_tp2_zero3_full", 4,
                        (*SP2, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2)),
          bench={"sp": 2}),
+    Step("step14_pipeline_schedules", ("pipeline_parallel.py", "train.py", "README.md"),
+         convergence=(("interleaved_pp2_v2", 2, INTERLEAVED, 1),
+                      ("interleaved_pp2_v2_tp2_sp", 4, (*INTERLEAVED, *SP2), 1),
+                      ("interleaved_pp2_v2_dp2_zero3_full", 4,
+                       (*INTERLEAVED, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2)),
+         bench={"interleaved": 2}),
 ]  # fmt: skip
 
 

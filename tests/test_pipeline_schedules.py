@@ -1,0 +1,149 @@
+"""Step 14: interleaved 1F1B. Each rank's order of chunk forwards and backwards is PyTorch's
+`ScheduleInterleaved1F1B`'s; what it holds follows the warm-up's formula; the layouts train like
+one process, the gradients going back on a group of their own; a checkpoint of two chunks per
+rank resumes on one process and at 1F1B; what cannot work is refused before the first step."""
+
+import sys
+from fractions import Fraction
+
+import pytest
+from conftest import ROOT, TINY, check, import_step, read_log, run_step
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convergence  # noqa: E402
+
+S14 = "step14_pipeline_schedules"
+# (pp_size, m, v): m a multiple of pp_size, as both schedules require.
+SHAPES = [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (2, 8, 4)]
+# Four layers: two chunks of one layer on each of two ranks.
+FOUR = [*TINY[: TINY.index("--num_hidden_layers")], "--num_hidden_layers", "4"]
+FOUR += TINY[TINY.index("--num_hidden_layers") + 2 :]
+INTERLEAVED = ["--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_stages", "2"]
+
+
+def ours(p, m, v):
+    """Each rank's actions as torch writes them: the stage's index (chunk x p + rank), F or B,
+    the micro-batch from 0."""
+    pp = import_step(S14, "pipeline_parallel")
+    schedules = pp.SCHEDULES["interleaved"](p, m, v)
+    return [
+        [f"{a.chunk * p + r}{a.kind}{a.micro_batch}" for a in actions]
+        for r, actions in enumerate(schedules)
+    ]
+
+
+@pytest.mark.parametrize("p, m, v", SHAPES, ids=[f"pp{p}-m{m}-v{v}" for p, m, v in SHAPES])
+def test_interleaved_order_is_torchs(p, m, v):
+    """torch's `pipeline_order`, the list its `_step_microbatches` runs, without idle slots."""
+    theirs = get_schedule_ops("Interleaved1F1B", p, m, v)
+    assert ours(p, m, v) == [[str(a) for a in row if a is not None] for row in theirs]
+
+
+@pytest.mark.parametrize("p, m, v", SHAPES, ids=[f"pp{p}-m{m}-v{v}" for p, m, v in SHAPES])
+def test_interleaved_holds_its_warm_up(p, m, v):
+    """Rank r holds its warm-up's chunk forwards and one more: (v - 1) p + 2 (p - r - 1) + 1,
+    at most all m v of them; rank 0 of pp 4, m 8, v 2 holds 11 chunks, 5.5 micro-batches' worth
+    of its layers, where 1F1B's stage 0 holds 4."""
+    pp = import_step(S14, "pipeline_parallel")
+    for r, actions in enumerate(pp.SCHEDULES["interleaved"](p, m, v)):
+        assert pp.held(actions) == min((v - 1) * p + 2 * (p - r - 1) + 1, m * v), r
+    assert [pp.held(a) for a in pp.SCHEDULES["1f1b"](4, 8)] == [4, 3, 2, 1]
+    assert pp.held(pp.SCHEDULES["interleaved"](4, 8, 2)[0]) == 11
+
+
+def test_every_layout_trains_like_one_process(tmp_path):
+    """The manifest's step-14 layouts (interleaved pp 2 with 2 chunks per rank; with tp 2 and
+    sequence parallelism; at dp 2 with ZeRO-3 and full recomputation) against step 3 on one
+    process, four layers, the same batch of 4 micro-batches."""
+    common = [*FOUR, "--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
+    common += ["--num_proc", "1", "--sample_tokens", "4"]
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    baseline = convergence.run(convergence.baseline_layout(4), common, tmp_path, env=env)
+    results = {}
+    for layout in convergence.step_layouts(14, 4):
+        records = convergence.run(layout, common, tmp_path, env=env)
+        results[layout.name] = convergence.compare(records, baseline)
+    print(f"\n{convergence.table(results)}")
+    assert sorted(results) == [
+        "interleaved_pp2_v2",
+        "interleaved_pp2_v2_dp2_zero3_full",
+        "interleaved_pp2_v2_tp2_sp",
+    ]
+    for name, comparison in results.items():
+        assert comparison.ok, f"{name}: {comparison.problems}"
+
+
+def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
+    """Saved at step 2 by interleaved pp 2 x 2 chunks; steps 3 and 4 on one process and at pp 2
+    with 1F1B (each rank one chunk of two layers) are the interleaved run's."""
+    common = [*FOUR, "--max_steps", "4", "--gradient_accumulation_steps", "4"]
+    common += ["--eval_every", "0", "--sample_tokens", "0", "--num_proc", "1"]
+    save = tmp_path / "interleaved"
+    log = tmp_path / "interleaved.jsonl"
+    args = [*common, *INTERLEAVED, "--save_every", "2", "--save_dir", str(save)]
+    check(run_step(S14, [*args, "--log_file", str(log)], nproc=2))
+    first = read_log(log)
+    for name, flags, nproc in [
+        ("one", [], 1),
+        ("1f1b", ["--pp_size", "2", "--pp_engine", "1f1b"], 2),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "step_000002").symlink_to(save / "step_000002")
+        (folder / "latest").write_text("step_000002")
+        log = tmp_path / f"{name}.jsonl"
+        args = [*common, *flags, "--save_dir", str(folder), "--resume", "--log_file", str(log)]
+        check(run_step(S14, args, nproc=nproc))
+        records = read_log(log)
+        assert [r["step"] for r in records] == [3, 4]
+        for got, want in zip(records, first[2:], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), name
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), name
+
+
+@pytest.mark.parametrize(
+    "flags, nproc, message",
+    [
+        (["--pp_virtual_stages", "2"], 1, "--pp_virtual_stages 2 is for --pp_engine interleaved"),
+        (
+            ["--pp_size", "2", "--pp_engine", "interleaved"],
+            2,
+            "--pp_engine interleaved needs --pp_size 2 or more and --pp_virtual_stages 2 or more",
+        ),
+        (
+            [*INTERLEAVED, "--gradient_accumulation_steps", "3"],
+            2,
+            "--gradient_accumulation_steps 3 is not a multiple of --pp_size 2",
+        ),
+        (
+            [*INTERLEAVED, "--gradient_accumulation_steps", "2"],
+            2,
+            "pp_size x pp_virtual_stages = 2 x 2 = 4 chunks of layers is more",
+        ),
+    ],
+    ids=["engine", "one-chunk", "micro-batches", "layers"],
+)
+def test_what_cannot_work_is_refused_before_the_first_step(flags, nproc, message):
+    result = run_step(S14, [*TINY, "--max_steps", "2", *flags], nproc=nproc)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "step 1/" not in result.stdout
+
+
+@pytest.mark.parametrize("p, m, v", SHAPES, ids=[f"pp{p}-m{m}-v{v}" for p, m, v in SHAPES])
+def test_the_simulator_finds_the_textbook_bubble(p, m, v):
+    """tools/simulate_pipeline.py runs the trainer's schedules with forwards of 1 unit and
+    backwards of 2 (a chunk's: a v-th of that): each schedule's idle share of the step is
+    (p - 1) / (v m + p - 1) exactly, v = 1 for AFAB and 1F1B."""
+    import simulate_pipeline
+
+    for engine in ["afab", "1f1b", "interleaved"]:
+        args = simulate_pipeline.parse_args(
+            ["--engine", engine, "--pp_size", str(p), "--micro_batches", str(m)]
+            + ["--virtual_stages", str(v)]
+        )
+        text, bubble = simulate_pipeline.report(engine, args)
+        chunks = v if engine == "interleaved" else 1
+        assert bubble == Fraction(p - 1, chunks * m + p - 1), (engine, text)

@@ -1,0 +1,143 @@
+"""What a pipeline schedule does with time, without a model: each rank's timeline, its idle
+fraction (the bubble) and the micro-batches it holds, from unit costs of a forward and a backward.
+
+    python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8
+    python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine interleaved \\
+        --virtual_stages 2 --forward 1 --backward 2
+
+The schedules are step 14's own (`pipeline_parallel.SCHEDULES`), the lists of actions the trainer
+runs. Each rank runs its actions in order, one at a time; an action starts when the rank is free
+and what it needs has arrived: a forward, the previous stage's forward of the same micro-batch
+(the stage before is on the previous rank; rank 0's chunk c follows the last rank's chunk c - 1),
+a backward, the next stage's backward. Messages take no time. A chunk's forward costs
+--forward / v time units and its backward --backward / v: the layers are cut into v times as
+many pieces. Each rank's line shows one character per tick (a time unit, or a v-th of one when
+the costs do not divide): a forward's ticks show its micro-batch's number (1, 2, ..., then A, B,
+...), a backward's a letter (a for micro-batch 1, b for 2, ...), idle ticks a dot; the chunks of
+interleaved are not told apart. The bubble is the idle share of the step on a rank; the textbook
+one, (p - 1) / (v m + p - 1), is AFAB's and 1F1B's at v = 1.
+"""
+
+import argparse
+import string
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = "step14_pipeline_schedules"
+DIGITS = string.digits[1:] + string.ascii_uppercase  # F of micro-batch 1, 2, ...
+LETTERS = string.ascii_lowercase  # B of micro-batch 1, 2, ...
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", default=None, help="afab, 1f1b or interleaved (all: none)")
+    parser.add_argument("--pp_size", type=int, default=4)
+    parser.add_argument("--micro_batches", type=int, default=8, help="m")
+    parser.add_argument("--virtual_stages", type=int, default=2, help="v, for interleaved")
+    parser.add_argument("--forward", type=int, default=1, help="a stage's forward, time units")
+    parser.add_argument("--backward", type=int, default=2, help="a stage's backward")
+    args = parser.parse_args(argv)
+    for name in ["pp_size", "micro_batches", "virtual_stages", "forward", "backward"]:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.engine == "interleaved" and args.micro_batches % args.pp_size:
+        parser.error(
+            f"interleaved sends micro-batches in groups of pp_size: --micro_batches "
+            f"{args.micro_batches} is not a multiple of --pp_size {args.pp_size}"
+        )
+    return args
+
+
+def schedules():
+    sys.path.insert(0, str(ROOT / STEP))
+    try:
+        import pipeline_parallel
+    finally:
+        sys.path.remove(str(ROOT / STEP))
+    return pipeline_parallel.SCHEDULES, pipeline_parallel.held
+
+
+def simulate(actions, p, chunks, forward, backward):
+    """Start and end of every action of every rank: {(rank, action): (start, end)}, in exact
+    fractions of a time unit. `actions`: each rank's list, as the schedules give them."""
+    cost = {"F": Fraction(forward, chunks), "B": Fraction(backward, chunks)}
+    last = chunks * p - 1  # the last stage's index
+
+    def needs(rank, action):  # the action of another rank that this one waits for
+        stage = action.chunk * p + rank
+        if action.kind == "F" and stage > 0:
+            before = stage - 1
+            return before % p, type(action)("F", action.micro_batch, before // p)
+        if action.kind == "B" and stage < last:
+            after = stage + 1
+            return after % p, type(action)("B", action.micro_batch, after // p)
+        return None
+
+    done, free, position = {}, [Fraction(0)] * p, [0] * p
+    while any(position[r] < len(actions[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            if position[r] == len(actions[r]):
+                continue
+            action = actions[r][position[r]]
+            need = needs(r, action)
+            if need is not None and need not in done:
+                continue
+            start = max(free[r], done[need][1] if need else Fraction(0))
+            if action.kind == "B":  # its own forward, on this rank, came first
+                start = max(start, done[r, type(action)("F", *action[1:])][1])
+            done[r, action] = (start, start + cost[action.kind])
+            free[r], position[r], progress = start + cost[action.kind], position[r] + 1, True
+        assert progress, "the schedule waits for itself: a deadlock"
+    return done
+
+
+def timeline(done, actions, p, tick):
+    """One line per rank, a character per tick."""
+    end = max(e for _, e in done.values())
+    lines = []
+    for r in range(p):
+        row = ["."] * int(end / tick)
+        for action in actions[r]:
+            start, stop = done[r, action]
+            mark = (DIGITS if action.kind == "F" else LETTERS)[action.micro_batch % len(LETTERS)]
+            for t in range(int(start / tick), int(stop / tick)):
+                row[t] = mark
+        lines.append(f"  rank {r}  {''.join(row)}")
+    return lines
+
+
+def report(name, args):
+    table, held = schedules()
+    v = args.virtual_stages if name == "interleaved" else 1
+    p, m = args.pp_size, args.micro_batches
+    actions = table[name](p, m, v)
+    done = simulate([list(a) for a in actions], p, v, args.forward, args.backward)
+    end = max(e for _, e in done.values())
+    work = m * (args.forward + args.backward)  # one rank's compute, every chunk
+    bubble = 1 - Fraction(work) / end
+    tick = Fraction(1, v) if (args.forward % v or args.backward % v) else Fraction(1)
+    chunks = f", v {v}" if v > 1 else ""
+    textbook = Fraction(p - 1, v * m + p - 1)
+    lines = [
+        f"{name.upper()}, pp {p}, m {m}{chunks}: step {float(end):g} units, bubble "
+        f"{float(bubble):.3f} (textbook (p - 1) / (v m + p - 1) = {float(textbook):.3f}), held "
+        f"{', '.join(str(held(a)) for a in actions)} (chunk forwards, rank 0 first)",
+        *timeline(done, actions, p, tick),
+    ]
+    return "\n".join(lines), bubble
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    engines = [args.engine] if args.engine else ["afab", "1f1b"]
+    if not args.engine and args.micro_batches % args.pp_size == 0:
+        engines.append("interleaved")
+    for name in engines:
+        print(report(name, args)[0])
+
+
+if __name__ == "__main__":
+    main()
