@@ -8,7 +8,9 @@ pipeline and tensor sizes asked) and cheap evaluation and sampling. A command ma
 as needing a GPU, the network or two nodes is checked but not run; so are the
 convergence harness's commands (tests/test_convergence.py runs the harness) and the exercise
 tool's (tests/test_exercise.py runs it). tools/README.md
-contributes its convergence commands; its other examples name placeholder checkpoints.
+contributes its convergence commands; its other examples name placeholder checkpoints. A tool
+that times what it measures (bench.py, activation_memory.py) runs one timed round: its agreement
+checks and its figures other than times are those of the command as written.
 
 The commands of one README share a working folder, in order: a command that reads a checkpoint
 finds the one an earlier `--save_dir` command of the same README wrote there."""
@@ -205,6 +207,15 @@ def overrides(command, args):
     return [s for k, v in extra.items() if k == "--max_steps" or k not in given for s in (k, v)]
 
 
+# The tools that time what they measure, side by side: their commands run with one timed round
+# (the flags written after the command's own, so they win); the rest of the command, what it
+# builds and checks, runs as written.
+TIMED = {
+    "tools/bench.py": {"--steps": "1", "--warmup": "0"},
+    "tools/activation_memory.py": {"--repeats": "1"},
+}
+
+
 def model_size(args):
     """TINY, with as many layers as stages (chunks of layers) and heads as tensor-parallel
     ranks."""
@@ -230,6 +241,7 @@ def argv(command, args):
     else:
         head = [*LAUNCH, "--python"]  # as python runs it, forked from the same imports
     extra = overrides(command, args) if command.trains else []
+    extra += [s for flag, value in TIMED.get(command.script, {}).items() for s in (flag, value)]
     return [*head, script, *command.args, *extra]
 
 
