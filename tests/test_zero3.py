@@ -1,14 +1,31 @@
-"""Step 12: ZeRO-2 and ZeRO-3. Stage 1 is step 11 to the bit; stages 2 and 3 train like it (and so
-like one device: tools/convergence.py runs the step's layouts against step 3); stage 3 equals
-PyTorch's own `fully_shard` from the same weights; a rank holds 1/R of the weights and gradients
-and sends what the ZeRO paper counts; a checkpoint of one stage resumes in another layout and
-stage; what cannot work is refused before the first step."""
+"""Step 12: ZeRO-2 and ZeRO-3. Each piece against one process (stage 2's shards of each
+micro-batch; a rank's rows; a unit's all-gather, whole weights and reduce-scatter; the hooks around
+each unit's forward and backward; the norm from the pieces). Stage 1 is step 11 to the bit; stages
+2 and 3 train like it (and so like one device: tools/convergence.py runs the step's layouts
+against step 3); stage 3 equals PyTorch's own `fully_shard` from the same weights; a rank holds 1/R
+of the weights and gradients and sends what the ZeRO paper counts; a checkpoint of one stage
+resumes in another layout and stage; what cannot work is refused before the first step."""
 
 import sys
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TINY, assert_same_training, check, read_log, run_step, spawn
+import torch.nn.functional as F
+from conftest import (
+    ROOT,
+    TINY,
+    assert_matches,
+    assert_same_training,
+    check,
+    import_step,
+    read_log,
+    run_step,
+    spawn,
+    step_dir,
+)
+from torch import nn
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -21,6 +38,420 @@ DP2 = ["--dp_size", "2", "--bucket_size_mb", "0.05", "--gradient_accumulation_st
 PARAMS = 336_192  # the tiny model's (2 layers, hidden 64, vocabulary 1,024), fp32: 4 bytes each
 
 
+# ---- each piece against one process: the graded steps of the exercise --------------------------
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    # 35 + 7 + 21 + 3 elements in buckets of at most 25 fp32 gradients (100 bytes): (3 + 21), 7
+    # and 35, padded to 24, 8 and 36 for 2 ranks; parameters cross the shard boundaries.
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def check_stage_2(rank, world):
+    """ZeRO-2, two micro-batches a step, two steps: each bucket's grad_shard is this rank's shard
+    of one process's gradient of the whole batch; every micro-batch's gradients are reduce-
+    scattered as a bucket fills; at most two whole buffers live at a time, none after the step,
+    and no parameter keeps a main_grad or a .grad."""
+    from comm_stats import CommStats
+    from process_group_manager import ProcessGroupManager
+    from zero import DataParallelZero1
+
+    pgm = ProcessGroupManager(1, 1, world)
+    reference, model = tiny_model(), tiny_model()
+    wrapped = DataParallelZero1(model, pgm, ("dp",), bucket_size_mb=100 / 2**20, stage=2)
+    buckets, names = wrapped.bucket_manager.buckets, {p: n for n, p in model.named_parameters()}
+    alive = []  # whole buffers alive after each gradient, the wrapper's hook (the first) done
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda _: alive.append(sum(b.grad_data is not None for b in buckets))
+        )
+    m, code = 2, "DataParallelZero1._accumulate_grad, ShardedBucket.wait"
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(world, m, 2, 5, generator=generator)
+        y = torch.randn(world, m, 2, 3, generator=generator)
+        wrapped.zero_grad()
+        reference.zero_grad()
+        with CommStats(pgm) as stats:
+            for k in range(m):
+                wrapped.require_backward_grad_sync = k == m - 1
+                (F.mse_loss(wrapped(x[rank, k]), y[rank, k]) / m).backward()
+            wrapped.finish_gradient_synchronization()
+        F.mse_loss(reference(x.flatten(0, 2)), y.flatten(0, 2)).backward()
+        grads = dict(reference.named_parameters())
+        for b, bucket in enumerate(buckets):
+            flat = torch.zeros(bucket.numel)
+            for param, offset in bucket.offsets:
+                flat[offset : offset + param.numel()] = grads[names[param]].grad.view(-1)
+            what = f"{code}: after step {step + 1}, bucket {b}'s grad_shard"
+            want = flat[bucket.start : bucket.end]
+            assert_matches(
+                bucket.grad_shard, want, what, rtol=1e-5, atol=1e-6, reference="one process"
+            )
+            assert bucket.grad_data is None, (
+                f"ShardedBucket.wait: bucket {b}'s whole buffer is alive after the step: free it "
+                "once its shard has arrived"
+            )
+        for name, param in model.named_parameters():
+            assert not hasattr(param, "main_grad"), (
+                f"ShardedBucket.wait: {name} keeps its main_grad, a view that keeps the freed "
+                "buffer alive"
+            )
+            assert param.grad is None, f"{code}: {name} has a .grad (added to main_grad, dropped)"
+        calls = sum(kinds.get("reduce-scatter", {"calls": 0})["calls"]
+                    for kinds in stats.as_dict().values())  # fmt: skip
+        assert calls == m * len(buckets), (
+            f"{code}: {calls} reduce-scatters in a step of {m} micro-batches and {len(buckets)} "
+            f"buckets; stage 2 sends every micro-batch's, {m * len(buckets)}"
+        )
+    assert max(alive) <= 2, (
+        f"DataParallelZero1._accumulate_grad: {max(alive)} whole buffers alive at once: when a "
+        "bucket leaves, wait for the one before (the buffers of the one filling and the one "
+        "travelling, no more)"
+    )
+
+
+def one_process(train, config, seed):
+    """The single-device model, from the same seed."""
+    with torch.device("meta"):
+        reference = train.LlamaForCausalLM(config)
+    reference.to_empty(device="cpu")
+    reference.tie_weights()
+    reference.init_weights(seed)
+    return reference
+
+
+def test_shard_parameters_gives_each_rank_its_rows():
+    """shard_parameters at dp 2 x cp 2, for each of the four ranks (a grid given by hand: no
+    process group): every parameter's record is a Split over dp, then one over cp, on dim 0, and
+    the model it initialises holds that rank's rows of one process's; at cp 1 the cp axis adds no
+    Split; rows that dp x cp does not divide are refused."""
+    train = import_step(S12, "train")
+    placement = sys.modules["placement"]
+    args = train.parse_args(TINY)
+    config = train.load_config(args)
+    whole = dict(one_process(train, config, args.seed).named_parameters())
+    grids = [(2, dp_rank, 2, cp_rank) for dp_rank in (0, 1) for cp_rank in (0, 1)]
+    for dp_size, dp_rank, cp_size, cp_rank in [*grids, (2, 1, 1, 0)]:
+        pgm = SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank, cp_size=cp_size, cp_rank=cp_rank)
+        where = (
+            f"shard_parameters at dp {dp_size} x cp {cp_size}, dp rank {dp_rank}, cp rank {cp_rank}"
+        )
+        with torch.device("meta"):
+            model = train.LlamaForCausalLM(config)
+            train.shard_parameters(model, pgm, ("dp", "cp"))
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.init_weights(args.seed)
+        record = (placement.Split("dp", 0, dp_rank, dp_size),)
+        record += (placement.Split("cp", 0, cp_rank, cp_size),) if cp_size > 1 else ()
+        placed = list(placement.placed_parameters(model))
+        assert [p.name for p in placed] == list(whole), (
+            f"{where}: parameters {[p.name for p in placed]}"
+        )
+        for p in placed:
+            assert p.record == record, (
+                f"{where}: {p.name}'s record is {p.record}, expected {record}"
+            )
+            assert p.param.requires_grad, f"{where}: {p.name} requires no gradient"
+            want = placement.piece(whole[p.name].detach(), record)
+            what, reference = f"{where}: {p.name}", "its rows of one process's"
+            assert_matches(p.param.detach(), want, what, rtol=0, atol=0, reference=reference)
+    pgm = SimpleNamespace(dp_size=3, dp_rank=0, cp_size=1, cp_rank=0)
+    with torch.device("meta"), pytest.raises(ValueError):  # 64 rows do not split 3 ways
+        train.shard_parameters(train.LlamaForCausalLM(config), pgm, ("dp", "cp"))
+
+
+def gradients_of_the_average(ctx, micro_batches=1):
+    """One process's gradients of the ranks' average loss, each rank its own tokens (micro-batches
+    summed); this rank's loss, through `ctx.wrapped`, backward."""
+    import train
+
+    for k in range(micro_batches):
+        for r in range(ctx.world):
+            generator = torch.Generator().manual_seed(100 * k + r)
+            tokens = torch.randint(0, ctx.config.vocab_size, (2, 17), generator=generator)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            if r == ctx.rank:
+                train.loss_fn(ctx.wrapped(inputs), targets, ctx.pgm).backward()
+            logits = ctx.reference(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            (loss / ctx.world).backward()
+    ctx.wrapped.finish_gradient_synchronization()
+
+
+def check_freed(ctx, units, code):
+    for u, unit in enumerate(units):
+        held = unit.full.untyped_storage().nbytes()
+        assert not unit.gathered and held == 0, (
+            f"{code}: unit {u} ({ctx.unit_name(unit)}) still holds {held} bytes of whole weights "
+            f"(gathered: {unit.gathered}); free it"
+        )
+        assert unit.full.grad is None, f"{code}: unit {u}'s whole gradient is kept"
+
+
+def check_pieces_grads(ctx, code):
+    """Each piece's .grad: its rows of one process's gradient."""
+    for placed in ctx.placed:
+        want = ctx.piece(ctx.whole[placed.name].grad, placed.record)
+        what, reference = f"{code}: {placed.name}.grad", "its rows of one process's"
+        assert placed.param.grad is not None, f"{what} is None"
+        assert_matches(placed.param.grad, want, what, rtol=1e-5, atol=1e-7, reference=reference)
+
+
+def check_gather(ctx):
+    """Unit.free, start_gather, gather, on every unit: built freed (its whole weights take no
+    memory); gathered, its whole weights are its parameters' full tensors, each flattened, side by
+    side in the order of its pieces, and nothing else is held; one all-gather at a time; freed."""
+    for u, unit in enumerate(ctx.units):
+        name = f"unit {u} ({ctx.unit_name(unit)})"
+        held = unit.full.untyped_storage().nbytes()
+        assert not unit.gathered and held == 0, (
+            f"Unit.free: {name} holds {held} bytes of whole weights once built (gathered: "
+            f"{unit.gathered}): resize full's storage to 0"
+        )
+        unit.start_gather()
+        handle = unit.handle
+        assert handle is not None, f"Unit.start_gather: {name} has no handle of its all-gather"
+        unit.start_gather()
+        assert unit.handle is handle, f"Unit.start_gather: {name}'s all-gather started twice"
+        unit.gather()
+        assert unit.gathered and unit.handle is None, (
+            f"Unit.gather: {name}: gathered is {unit.gathered}, handle {unit.handle} (waited: None)"
+        )
+        want = torch.cat([ctx.whole[ctx.name_of[id(p)]].detach().reshape(-1) for p in unit.pieces])
+        what = f"Unit.gather: {name}'s full"
+        reference = "one process's parameters flattened, side by side"
+        assert_matches(unit.full.detach(), want, what, rtol=0, atol=0, reference=reference)
+        whole = unit.full.numel() * unit.full.element_size()
+        assert unit.bytes() == whole, (
+            f"Unit.gather: {name} holds {unit.bytes()} bytes, its whole weights {whole}: drop the "
+            "all-gather's buffer once laid out"
+        )
+        unit.free()
+        held = unit.full.untyped_storage().nbytes()
+        assert not unit.gathered and held == 0, f"Unit.free: {name} still holds {held} bytes"
+        unit.gather()  # again, into the memory given back
+        assert_matches(
+            unit.full.detach(), want, f"{what}, gathered again", rtol=0, atol=0, reference=reference
+        )
+        unit.free()
+
+
+def check_use_whole(ctx):
+    """Unit.use_whole: each module's parameter is one process's whole parameter, a view of the
+    unit's full (autograd carries its gradient there); use_pieces puts the pieces back."""
+    for u, unit in enumerate(ctx.units):
+        unit.gather()
+        unit.use_whole()
+        for module, name, piece in unit.uses:
+            weight, full_name = module._parameters[name], ctx.name_of[id(piece)]
+            what = f"Unit.use_whole: unit {u}'s {full_name}"
+            want = ctx.whole[full_name].detach()
+            assert_matches(weight.detach(), want, what, rtol=0, atol=0, reference="one process's")
+            assert getattr(weight, "_base", None) is unit.full, (
+                f"{what} is no view of the unit's full: its gradient would not reach full"
+            )
+        unit.use_pieces()
+        unit.free()
+
+
+def check_reduce_scatter(ctx):
+    """Unit.reduce_scatter, on a decoder layer's unit, two micro-batches, each rank its own
+    inputs: each piece's .grad is its rows of one process's gradient of the ranks' average loss,
+    summed over the micro-batches; after each, the whole gradient and weights are freed."""
+    layer = ctx.model.model.layers["0"]
+    [unit] = [unit for unit in ctx.units if unit.modules[0] is layer]
+    reference, D = ctx.reference.model.layers[0], ctx.config.hidden_size
+    for k in range(2):
+        unit.gather()
+        unit.use_whole()
+        for r in range(ctx.world):
+            x = torch.randn(2, 16, D, generator=torch.Generator().manual_seed(10 * k + r))
+            if r == ctx.rank:
+                layer(x).square().mean().backward()
+            (reference(x).square().mean() / ctx.world).backward()
+        unit.use_pieces()
+        check_freed(ctx, [unit], f"Unit.reduce_scatter, micro-batch {k + 1}")
+    for piece in unit.pieces:
+        full_name = ctx.name_of[id(piece)]
+        want = ctx.piece(ctx.whole[full_name].grad, ctx.record_of[id(piece)])
+        what = f"Unit.reduce_scatter: {full_name}.grad"
+        assert piece.grad is not None, f"{what} is None: add this rank's rows to it"
+        reference = "this rank's rows of one process's, averaged over the ranks"
+        assert_matches(piece.grad, want, what, rtol=1e-5, atol=1e-7, reference=reference)
+
+
+def gathered_in_flight(units, order):
+    """Spy on each unit's gather: (its place in the forward's order, whether its all-gather was on
+    its way when asked for), for each call."""
+    calls = []
+    for unit in units:
+
+        def gather(unit=unit, gather=unit.gather):
+            calls.append((order.index(unit), unit.handle is not None))
+            return gather()
+
+        unit.gather = gather
+    return calls
+
+
+def check_forward(ctx):
+    """FullyShardedDataParallel.before_forward, after_forward: the logits of one process; each
+    unit gathered in turn, the next one's all-gather on its way before it is asked for (prefetch);
+    after the forward nothing is gathered and the modules hold their pieces again; the most
+    gathered is counted; without grad too (evaluation, sampling)."""
+    order = ctx.wrapped.forward_order(ctx.model)
+    calls = gathered_in_flight(ctx.wrapped.units, order)
+    tokens = torch.randint(
+        0, ctx.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(ctx.rank)
+    )
+    code = "FullyShardedDataParallel.before_forward, after_forward"
+    want = ctx.reference(tokens)
+    assert_matches(
+        ctx.wrapped(tokens),
+        want,
+        f"{code}: the logits",
+        rtol=1e-5,
+        atol=1e-6,
+        reference="one process",
+    )
+    check_freed(ctx, ctx.wrapped.units, "FullyShardedDataParallel.after_forward")
+    for unit in ctx.wrapped.units:
+        for module, name, piece in unit.uses:
+            assert module._parameters[name] is piece, (
+                f"FullyShardedDataParallel.after_forward: {ctx.name_of[id(piece)]} is not its "
+                "piece after the forward (use_pieces)"
+            )
+    assert [i for i, _ in calls] == list(range(len(order))), (
+        f"FullyShardedDataParallel.before_forward: units gathered in the order "
+        f"{[i for i, _ in calls]}, the forward's is {list(range(len(order)))}"
+    )
+    late = [i for i, in_flight in calls[1:] if not in_flight]
+    assert not late, (
+        f"FullyShardedDataParallel.before_forward: the all-gather of units {late} had not started "
+        "when they were asked for: start the next unit's while this one computes (prefetch)"
+    )
+    most = max(unit.full.numel() * unit.full.element_size() for unit in ctx.wrapped.units)
+    assert ctx.wrapped.most_gathered >= most, (
+        f"FullyShardedDataParallel.before_forward: most_gathered is {ctx.wrapped.most_gathered}, "
+        f"under the largest unit's {most} bytes: measure once the unit is gathered"
+    )
+    calls.clear()
+    with torch.no_grad():
+        got = ctx.wrapped(tokens)
+    assert_matches(
+        got,
+        want.detach(),
+        f"{code}, without grad: the logits",
+        rtol=1e-5,
+        atol=1e-6,
+        reference="one process",
+    )
+    check_freed(ctx, ctx.wrapped.units, "FullyShardedDataParallel.after_forward, without grad")
+
+
+def check_backward(ctx):
+    """FullyShardedDataParallel.before_backward: two micro-batches, each rank its own tokens;
+    each unit gathered again in backward, the one before's all-gather on its way (prefetch); each
+    piece's .grad is its rows of one process's gradient of the average loss; nothing is left
+    gathered."""
+    order = ctx.wrapped.forward_order(ctx.model)
+    calls = gathered_in_flight(ctx.wrapped.units, order)
+    code = "FullyShardedDataParallel.before_backward"
+    gradients_of_the_average(ctx, micro_batches=2)
+    backward = [
+        (i, in_flight)
+        for n, (i, in_flight) in enumerate(calls)
+        if n % (2 * len(order)) >= len(order)
+    ]
+    assert [i for i, _ in backward] == list(reversed(range(len(order)))) * 2, (
+        f"{code}: units gathered in backward in the order {[i for i, _ in backward]}, backward "
+        f"runs them in {list(reversed(range(len(order))))}, once a micro-batch"
+    )
+    late = [i for n, (i, in_flight) in enumerate(backward) if n % len(order) and not in_flight]
+    assert not late, (
+        f"{code}: the all-gather of units {late} had not started when backward reached them: "
+        "start the one before's while this one computes (prefetch)"
+    )
+    check_freed(ctx, ctx.wrapped.units, f"{code} (then Unit.reduce_scatter)")
+    check_pieces_grads(ctx, code)
+
+
+def check_clip(ctx):
+    """FullyShardedDataParallel.clip_grad_norm: the norm of the whole gradient from the pieces,
+    and the pieces clipped by it, as torch clips one process's."""
+    gradients_of_the_average(ctx)
+    max_norm = 0.1
+    norm = ctx.wrapped.clip_grad_norm(max_norm, ctx.pgm, SimpleNamespace(counted=ctx.model))
+    want = torch.nn.utils.clip_grad_norm_(ctx.reference.parameters(), max_norm)
+    assert want > max_norm  # so that the pieces are clipped
+    what = "FullyShardedDataParallel.clip_grad_norm: the norm of the whole gradient"
+    assert_matches(norm, want, what, rtol=1e-5, atol=0, reference="one process")
+    check_pieces_grads(ctx, "FullyShardedDataParallel.clip_grad_norm")
+
+
+PIECES = {  # and "stage_2", ZeRO-2 (check_stage_2)
+    "gather": check_gather,
+    "use_whole": check_use_whole,
+    "reduce_scatter": check_reduce_scatter,
+    "forward": check_forward,
+    "backward": check_backward,
+    "clip": check_clip,
+}
+
+
+def piece_worker(rank, world, piece):
+    if piece == "stage_2":  # zero.py's buckets, on a small model
+        return check_stage_2(rank, world)
+    import train
+
+    from fully_sharded import FullyShardedDataParallel, Unit, units_of
+    from placement import piece as piece_of
+    from placement import placed_parameters
+    from process_group_manager import ProcessGroupManager
+
+    args = train.parse_args([*TINY, "--dp_size", str(world), "--zero_stage", "3"])
+    pgm = ProcessGroupManager(1, 1, world)
+    ctx = train.Context(args, torch.device("cpu"), torch.float32, pgm)
+    config = train.load_config(args)
+    model = train.build_model(ctx, config)
+    reference = one_process(train, config, args.seed)
+    placed = list(placed_parameters(model))
+    modules = {id(module): name for name, module in model.named_modules()}
+    ctx = SimpleNamespace(
+        rank=rank,
+        world=world,
+        pgm=pgm,
+        config=config,
+        model=model,
+        reference=reference,
+        whole=dict(reference.named_parameters()),
+        placed=placed,
+        name_of={id(p.param): p.name for p in placed},
+        record_of={id(p.param): p.record for p in placed},
+        piece=lambda full, record: piece_of(full.detach(), record),
+        unit_name=lambda unit: ", ".join(modules[id(module)] for module in unit.modules),
+    )
+    if piece in ("gather", "use_whole", "reduce_scatter"):  # the units alone
+        ctx.units = [Unit(*unit, pgm.group("dp", "cp")[0]) for unit in units_of(model)]
+    else:
+        stage = train.PipelineParallel(model)
+        ctx.wrapped = FullyShardedDataParallel(stage, model, pgm, ("dp", "cp"))
+    PIECES[piece](ctx)
+
+
+@pytest.mark.parametrize("piece", ["stage_2", *PIECES])
+def test_piece_matches_one_process(tmp_path, piece):
+    """One piece of ZeRO-2 or ZeRO-3 at a time, on 2 ranks: the graded steps of the exercise
+    (tools/steps.py)."""
+    spawn(S12, piece_worker, 2, tmp_path, piece)
+
+
+# ---- training at each stage -------------------------------------------------------------------
+
+
 def train(tmp, step, name, *extra, nproc=2):
     log = tmp / f"{name}.jsonl"
     args = [*COMMON, "--log_file", str(log), "--save_dir", str(tmp / name), *extra]
@@ -28,16 +459,24 @@ def train(tmp, step, name, *extra, nproc=2):
     return read_log(log), stdout
 
 
+class Runs(dict):
+    """Step 11 ("step11") and step 12 at each stage (1, 2, 3), dp 2, the first step's
+    communication counted; each run saves checkpoints at steps 3 and 6 in tmp / its name. Each is
+    made when a test first asks for it: a grade of the exercise makes the three stages and not
+    step 11, and a run that fails fails that test, not the fixture's set-up."""
+
+    def __missing__(self, name):
+        if name == "step11":
+            self[name] = train(self["tmp"], S11, "step11", *DP2, "--comm_stats")
+        else:
+            flags = [*DP2, "--zero_stage", str(name), "--comm_stats"]
+            self[name] = train(self["tmp"], S12, f"stage{name}", *flags)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Step 11 and step 12 at each stage, dp 2, the first step's communication counted; each run
-    saves checkpoints at steps 3 and 6 in tmp / its name."""
-    tmp = tmp_path_factory.mktemp("zero3")
-    out = {"tmp": tmp, "step11": train(tmp, S11, "step11", *DP2, "--comm_stats")}
-    for stage in [1, 2, 3]:
-        flags = [*DP2, "--zero_stage", str(stage), "--comm_stats"]
-        out[stage] = train(tmp, S12, f"stage{stage}", *flags)
-    return out
+    return Runs(tmp=tmp_path_factory.mktemp("zero3"))
 
 
 def test_stage_1_is_step_11_to_the_bit(runs):
@@ -109,11 +548,13 @@ def resumed(runs, name, step, flags, nproc):
 def test_a_stage_3_checkpoint_resumes_at_stage_1_on_one_process(runs):
     """Stage 3's pieces (each rank's rows of every parameter and of its moments) make the index
     of step 9, so one process at stage 1 goes on from it like the run that did not stop."""
+    runs[3]  # trained, saving at steps 3 and 6
     records = resumed(runs, "stage3", S12, ["--gradient_accumulation_steps", "4"], nproc=1)
     assert_same_training(records, runs[3][0][3:])
 
 
 def test_a_step_11_checkpoint_resumes_at_stage_3(runs):
+    runs["step11"]  # trained, saving at steps 3 and 6
     records = resumed(runs, "step11", S12, [*DP2, "--zero_stage", "3"], nproc=2)
     assert_same_training(records, runs["step11"][0][3:])
 
@@ -241,6 +682,7 @@ def test_every_layout_trains_like_one_process(tmp_path):
     baseline = convergence.run(convergence.baseline_layout(2), common, tmp_path, env=env)
     results = {}
     for layout in convergence.step_layouts(12, 2):
+        layout = replace(layout, step=str(step_dir(layout.step)))  # the copy that --step names
         records = convergence.run(layout, common, tmp_path, env=env)
         results[layout.name] = convergence.compare(records, baseline)
     print(f"\n{convergence.table(results)}")

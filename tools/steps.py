@@ -346,6 +346,110 @@ CP_GRADED = (
     "tests/test_comm_stats.py::test_context_parallel_passes_key_value_blocks_around_the_ring",
     f"{CP_TESTS}test_trains_like_step3[cp2]",
 )  # fmt: skip
+# Step 12: ZeRO-2's buckets that live while they travel; then ZeRO-3: each rank's rows, a unit's
+# whole weights gathered, used and freed, its gradient reduce-scattered, the hooks around each
+# unit's forward and backward, and the norm from the pieces.
+FSDP = "fully_sharded.py"
+ZERO3_BLANKS = (
+    Blank(ZERO, "DataParallelZero1._accumulate_grad",
+          "stage 1: DataParallelBucket's; stage 2, every micro-batch: wait for the bucket if it "
+          "travels, allocate, add grad into main_grad and drop it, tell the timeline, mark it "
+          "ready; once it leaves, wait for the others"),
+    Blank(ZERO, "ShardedBucket.wait",
+          "stage 1: Bucket's wait; stage 2, while a whole buffer exists: wait, add the shard that "
+          "arrived to grad_shard, then drop the buffer, received, the handle, ready and each "
+          "main_grad"),
+    Blank(FSDP, "shard_parameters",
+          "a Split on dim 0 per axis of more than one rank; each parameter: a ValueError unless "
+          "they divide its rows, then its record extended and a meta Parameter of its rows; "
+          "init_piece where no init_parameter"),
+    Blank(FSDP, "Unit.free",
+          "resize the whole weights' storage to 0 (the views autograd saved stay, empty); not "
+          "gathered"),
+    Blank(FSDP, "Unit.start_gather",
+          "unless gathered or on its way: received, R shards, filled by an asynchronous "
+          "all-gather of shard, its handle in self.handle (at R 1: a copy, nothing to wait for)"),
+    Blank(FSDP, "Unit.gather",
+          "unless gathered: start_gather and wait; full's memory back; each piece's R blocks of "
+          "rows, one per rank, at R times its offset; drop received; gathered"),
+    Blank(FSDP, "Unit.use_whole",
+          "each piece's whole parameter, a view of full at R times its offset, R times its rows; "
+          "each use's module._parameters[name] becomes it"),
+    Blank(FSDP, "Unit.reduce_scatter",
+          "full.grad as R rows of shards (a parameter's block r of rows at its place in row r), "
+          "divided by R, reduce-scattered; add each run to its piece's .grad; measure, drop "
+          "full.grad, free"),
+    Blank(FSDP, "FullyShardedDataParallel.before_forward",
+          "gather the unit, start the next one's all-gather (after: prefetch), measure, then its "
+          "modules use the whole weights"),
+    Blank(FSDP, "FullyShardedDataParallel.after_forward",
+          "the pieces back and the whole weights freed; if backward will come (grad enabled, "
+          "output requires grad), before_backward as a hook on output's gradient"),
+    Blank(FSDP, "FullyShardedDataParallel.before_backward",
+          "gather the unit again, start the one before's all-gather (prefetch), measure; the "
+          "gradient passes unchanged"),
+    Blank(FSDP, "FullyShardedDataParallel.clip_grad_norm",
+          "grad_norm of the .grad of the pieces tied counts, each over its placed axes, summed "
+          "over tp, pp and the shard axes; scale every .grad as torch does"),
+)  # fmt: skip
+ZERO3_TESTS = "tests/test_zero3.py::"
+ZERO3_GRADED = (
+    f"{ZERO3_TESTS}test_piece_matches_one_process[stage_2]",
+    f"{ZERO3_TESTS}test_shard_parameters_gives_each_rank_its_rows",
+    *(f"{ZERO3_TESTS}test_piece_matches_one_process[{piece}]"
+      for piece in ("gather", "use_whole", "reduce_scatter", "forward", "backward", "clip")),
+    f"{ZERO3_TESTS}test_stage_3_sends_half_again_as_much",
+    f"{ZERO3_TESTS}test_stage_3_equals_fully_shard",
+    *(f"{ZERO3_TESTS}test_stages_2_and_3_train_like_stage_1[{stage}]" for stage in (2, 3)),
+)  # fmt: skip
+# Step 13: the sequence's all-gather and reduce-scatter, f and g made of them, the norms on a
+# rank's tokens and the plan that swaps them in; then recomputation, whole or of attention, and
+# the plan that wraps the layers.
+SP, RECOMPUTE = "sequence_parallel.py", "recompute.py"
+SP_BLANKS = (
+    Blank(SP, "gather_sequence",
+          "at tp 1, x; else the sequence dim to the front, contiguous, all_gather_single into tp "
+          "times the tokens, and back"),
+    Blank(SP, "reduce_scatter_sequence",
+          "at tp 1, x; else the sequence dim to the front, contiguous, reduce_scatter_single into "
+          "a tp-th of the tokens, and back"),
+    Blank(SP, "GatherSequence.forward", "keep the group in ctx; gather_sequence"),
+    Blank(SP, "GatherSequence.backward",
+          "each rank's gradient is a partial sum for every token: reduce_scatter_sequence it "
+          "(None for the group)"),
+    Blank(SP, "ScatterSequence.forward", "keep the group in ctx; reduce_scatter_sequence"),
+    Blank(SP, "ScatterSequence.backward",
+          "every rank's partial sum met every token: gather_sequence the gradient (None for the "
+          "group)"),
+    Blank(SP, "norm_forward",
+          "RMSNorm's forward on this rank's tokens, the weight in _parameters swapped for "
+          "Copy.apply(weight, tp_group) for the call, put back even on an error"),
+    Blank(SP, "set_sequence_parallel",
+          "on each RowParallelLinear and VocabParallelEmbedding g: ScatterSequence if on, else "
+          "Reduce; on each RMSNorm f: GatherSequence or Copy"),
+    Blank(SP, "apply_sequence_parallel",
+          "set_sequence_parallel on; every RMSNorm's forward becomes norm_forward bound to it; "
+          "return the model"),
+    Blank(RECOMPUTE, "recompute",
+          "torch.utils.checkpoint's checkpoint of function on args, non-reentrant"),
+    Blank(RECOMPUTE, "RecomputeAttention.__torch_function__",
+          "F.scaled_dot_product_attention under a checkpoint (its kwargs bound by partial); any "
+          "other function called as it was"),
+    Blank(RECOMPUTE, "apply_recompute",
+          "none: the model as it is; else each layer's own forward wrapped: full, "
+          "partial(recompute, forward); selective, partial(selective, forward)"),
+)  # fmt: skip
+SP_TESTS = "tests/test_sequence_parallel.py::"
+SP_GRADED = (
+    *(f"{SP_TESTS}test_piece_matches_one_process[{piece}]"
+      for piece in ("gather_sequence", "reduce_scatter_sequence", "f", "g", "norm", "model")),
+    f"{SP_TESTS}test_recompute_runs_the_function_again_in_backward",
+    f"{SP_TESTS}test_recompute_attention_keeps_q_k_v_alone",
+    f"{SP_TESTS}test_piece_matches_one_process[apply_recompute]",
+    f"{SP_TESTS}test_every_layout_computes_one_process_gradients",
+    f"{SP_TESTS}test_sequence_parallel_equals_dtensor",
+    f"{SP_TESTS}test_every_layout_trains_like_one_process[sp_tp2_selective]",
+)  # fmt: skip
 STEPS = [
     Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
          bench={"model": 1}),
@@ -405,7 +509,8 @@ STEPS = [
          convergence=(("zero2_dp2", 2, (*DP2_BUCKETS, "--zero_stage", "2"), 2),
                       ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
                       ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
-                      ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2))),
+                      ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2)),
+         blanks=ZERO3_BLANKS, graded=ZERO3_GRADED),
     Step("step13_sequence_parallel",
          ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
           "train.py", "README.md"),
@@ -414,8 +519,10 @@ STEPS = [
                       ("sp_pp2_tp2_full", 4, (*SP2, *PP2, "1f1b", "--recompute", "full"), 1),
                       ("sp_cp2_tp2", 4, (*SP2, "--cp_size", "2"), 1),
                       ("sp_dp2_tp2_zero3_full", 4,
-                       (*SP2, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2)),
-         bench={"sp": 2}),
+                       (*SP2, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2),
+                      ("zero3_dp2_pp2_full", 4,
+                       ("--dp_size", "2", *PP2, "1f1b", *ZERO3, "--recompute", "full"), 2)),
+         bench={"sp": 2}, blanks=SP_BLANKS, graded=SP_GRADED),
     Step("step14_pipeline_schedules", ("pipeline_parallel.py", "train.py", "README.md"),
          convergence=(("interleaved_pp2_v2", 2, INTERLEAVED, 1),
                       ("interleaved_pp2_v2_tp2_sp", 4, (*INTERLEAVED, *SP2), 1),
