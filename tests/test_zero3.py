@@ -655,6 +655,22 @@ def test_stage_3_equals_fully_shard(tmp_path):
         assert ours < 4 * max(single, 1e-3), (rank, ours, single)
 
 
+def test_evaluation_on_fewer_micro_batches_than_ranks_ends(tmp_path):
+    """--eval_steps 1 at dp 2: rank 0 evaluates the one micro-batch, rank 1 runs an uncounted
+    forward beside it (at stage 3 every forward gathers, and a rank with no forward would leave
+    its peer waiting in the all-gather for ever). The run ends, and its validation losses are
+    stage 1's, which gathers nothing."""
+    flags = ["--eval_steps", "1", "--eval_every", "2", "--max_steps", "4"]
+    losses = {}
+    for stage in [1, 3]:
+        log = tmp_path / f"stage{stage}.jsonl"
+        args = [*TINY, *DP2, "--zero_stage", str(stage), *flags, "--sample_tokens", "0"]
+        check(run_step(S12, [*args, "--num_proc", "1", "--log_file", str(log)], nproc=2))
+        losses[stage] = [r["val_loss"] for r in read_log(log) if "val_loss" in r]
+    assert len(losses[3]) == 2, losses
+    assert losses[3] == pytest.approx(losses[1], rel=1e-5), losses
+
+
 @pytest.mark.parametrize(
     "flags, nproc, message",
     [
