@@ -105,7 +105,12 @@ convergence.TORCHRUN = LAUNCH  # the layouts of the convergence tests start the 
 @pytest.fixture(scope="session", autouse=True)
 def launch_server(tmp_path_factory):
     """tests/launch.py's server: torch, transformers and datasets imported once for the session,
-    every run forked from there."""
+    every run forked from there. A pytest that a test starts (a graded run of tools/exercise.py)
+    uses the server of the pytest that started it."""
+    running = os.environ.get("PICO3D_LAUNCH_SERVER")
+    if running and Path(running).exists():
+        yield Path(running)
+        return
     path = tmp_path_factory.mktemp("launch") / "server.sock"
     log = path.with_name("server.log")
     with open(log, "w") as output:
@@ -213,13 +218,15 @@ def assert_same_training(records, expected):
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), got["step"]
 
 
-# spawn's processes start from a server process that imported torch and transformers and did
-# nothing else: forked from pytest's own process, they would inherit a lock that one of its threads
-# (gloo's, the OpenMP pool's, tqdm's monitor, left by the tests run in this process) held at
-# that instant, and wait for it forever.
+# spawn's processes start from a server process that imported torch (with its compiler stack,
+# which the first initialisation on the meta device imports) and transformers and did nothing
+# else: forked from pytest's own process, they would inherit a lock that one of its threads
+# (gloo's, the OpenMP pool's, tqdm's monitor, left by the tests run in this process) held at that
+# instant, and wait for it forever.
 CLEAN_FORK = mp.get_context("forkserver")
 CLEAN_FORK.set_forkserver_preload(
-    ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama"]
+    ["torch", "torch._dynamo", "torch.distributed", "transformers"]
+    + ["transformers.models.llama.modeling_llama"]
 )
 
 

@@ -19,6 +19,7 @@ a launcher for the request, which forks the ranks. A launcher whose client has g
 timeout) kills its ranks. Without a server, this process imports the libraries itself, then forks.
 """
 
+import contextlib
 import json
 import os
 import runpy
@@ -33,13 +34,22 @@ SERVER = "PICO3D_LAUNCH_SERVER"
 
 
 def preload():
-    """What every step's train.py imports that takes long: imported once, before any fork."""
+    """What every step's train.py imports that takes long: imported once, before any fork. Some
+    of it a run imports on first use, a second of CPU per rank on the 2-core machine: torch's
+    compiler stack (the first initialisation on the meta device goes through it), the profiler,
+    and the modules that datasets' streaming patches import when a dataset loads (scipy's, where
+    it is installed). Importing starts no thread, so the forks are clean."""
     import datasets  # noqa: F401
     import safetensors.torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
+    import torch.profiler  # noqa: F401
     import transformers
     from transformers import AutoTokenizer, LlamaConfig  # noqa: F401  (the lazy modules, loaded)
 
+    with contextlib.suppress(ImportError):
+        import scipy.io  # noqa: F401
+        import scipy.sparse  # noqa: F401
     transformers.logging.set_verbosity_error()
 
 
