@@ -23,6 +23,7 @@ copies one weight: equal at the start, the same summed gradient at every step.
 # B micro-batch, T tokens, D hidden, V vocab
 
 import argparse
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ from torch import nn
 from pipeline_timeline import NoTimeline
 from placement import Held, place, record_of
 from process_group_manager import group_ranks
+from zero_bubble import deferred, weight_gradients
 
 
 def stage_layers(num_layers, pp_rank, pp_size):
@@ -196,8 +198,9 @@ def forward_step(model, inputs, shape, pgm, device):
 ### begin Schedules
 class Action(NamedTuple):
     """One entry of a schedule: the forward ("F") or backward ("B") of micro-batch k through
-    chunk c of this rank's layers (one chunk per rank here; a rank with several holds chunks r,
-    r + pp_size, ... of the pipeline). A schedule that splits the backward would add a kind."""
+    chunk c of this rank's layers (a rank with several chunks holds chunks r, r + pp_size, ... of
+    the pipeline). A schedule that splits the backward has "B" compute the gradient of the chunk's
+    input only and "W" the gradients of its weights (zero_bubble.py)."""
 
     kind: str
     micro_batch: int
@@ -255,9 +258,42 @@ def interleaved_1f1b(pp_size, m, chunks):
     return schedules
 
 
+def zero_bubble_h1(pp_size, m, chunks=1):
+    """ZB-H1: 1F1B with each backward split into B, the input's gradient, which the stage before
+    waits for, and W, the weights' gradients, which nobody waits for. Rank r warms up as in 1F1B;
+    in the steady state it runs F B, and from its (r + 1)-th on also the W of the oldest
+    micro-batch whose W is pending: it holds r W's back. They run at the end, where 1F1B's
+    cool-down left rank r idle while the gradients travelled from the last rank (2 r B-lengths
+    there; r W's fill about half of it). The same order as PyTorch's
+    ScheduleInterleavedZeroBubble with one stage per rank."""
+    schedules = []
+    for r in range(pp_size):
+        warmup = min(pp_size - r - 1, m)
+        actions, weights = [Action("F", k) for k in range(warmup)], 0
+        for i, k in enumerate(range(warmup, m)):  # steady state
+            actions += [Action("F", k), Action("B", k - warmup)]
+            if i >= r:
+                actions.append(Action("W", weights))
+                weights += 1
+        for k in range(m - warmup, m):  # cool-down
+            actions.append(Action("B", k))
+            if k >= r:  # k: the steps since the steady state began
+                actions.append(Action("W", weights))
+                weights += 1
+        actions += [Action("W", k) for k in range(weights, m)]  # the W's held back
+        schedules.append(actions)
+    return schedules
+
+
 # A schedule: (pp_size, m, chunks per rank) -> each rank's list of actions, in the order the rank
 # runs them.
-SCHEDULES = {"afab": afab, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+SCHEDULES = {
+    "afab": afab,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb1": zero_bubble_h1,
+}
+SPLIT_BACKWARD = {"zb1"}  # the schedules whose actions include W
 
 
 def check_schedule(parser, args):
@@ -265,6 +301,16 @@ def check_schedule(parser, args):
     engine, v, m = args.pp_engine, args.pp_virtual_stages, args.gradient_accumulation_steps
     if v < 1:
         parser.error(f"--pp_virtual_stages must be at least 1, got {v}")
+    if engine in SPLIT_BACKWARD and args.zero_stage == 3:
+        parser.error(
+            f"--pp_engine {engine} defers the weight gradients past the backward, at whose end "
+            f"ZeRO-3 reduce-scatters each unit's gradient: use --zero_stage 1 or 2"
+        )
+    if engine in SPLIT_BACKWARD and args.compile:
+        parser.error(
+            f"--pp_engine {engine} splits the backward in autograd functions that torch.compile "
+            f"does not trace: drop --compile, or use --pp_engine 1f1b"
+        )
     if engine != "interleaved":
         if v > 1:
             parser.error(
@@ -284,12 +330,19 @@ def check_schedule(parser, args):
         )
 
 
+def frees(actions):
+    """The kind of action after which a micro-batch's activations are gone: its W where the
+    backward is split (B leaves what W reads: the inputs of the linear layers and the gradients
+    of their outputs), else its B."""
+    return "W" if any(action.kind == "W" for action in actions) else "B"
+
+
 def held(actions):
     """The most micro-batches whose activations the actions hold at once (forwards whose
-    backward has not run yet)."""
-    count, peak = 0, 0
+    backward, or W, has not run yet)."""
+    count, peak, last = 0, 0, frees(actions)
     for action in actions:
-        count += 1 if action.kind == "F" else -1
+        count += 1 if action.kind == "F" else -1 if action.kind == last else 0
         peak = max(peak, count)
     return peak
 
@@ -341,7 +394,12 @@ def run_schedule(actions, stages, micro_batches, loss_fn, shape, device, dtype, 
     gradient's receive is posted only when its backward needs it."""
     timeline = timeline or NoTimeline()
     m, total = len(micro_batches), torch.zeros((), device=device)
-    saved, backwards = {}, [0] * len(stages)  # (chunk, k) -> (x, y), kept until the backward
+    saved = {}  # (chunk, k) -> (x, y), kept until the backward
+    # Split backward (W actions): B leaves each weight gradient as a closure, run by the W.
+    split, waiting = frees(actions) == "W", {}  # (chunk, k) -> the closures of its W
+    # The action that completes a chunk's weight gradients, counted: data-parallel gradients are
+    # averaged once, during the chunk's last one.
+    finishing, finished = "W" if split else "B", [0] * len(stages)
     # The inputs to receive, one per forward of a stage that is not the first, in order: each
     # `next` posts one. The first is posted now, each next one before the forward before it.
     receives = (
@@ -382,18 +440,25 @@ def run_schedule(actions, stages, micro_batches, loss_fn, shape, device, dtype, 
                 send("forward", y.detach().float(), stage.next_rank)  # in fp32: the residual
             saved[action.chunk, k] = (x, y)
         else:
+            if action.kind == finishing:  # the gradients' hooks run in this one
+                stage.model.require_backward_grad_sync = finished[action.chunk] == m - 1
+                finished[action.chunk] += 1
+            if action.kind == "W":
+                with timeline.run(action):
+                    weight_gradients(waiting.pop((action.chunk, k)))
+                continue
             x, y = saved.pop((action.chunk, k))
             with timeline.blocked("receive", not stage.is_last):
                 peer = stage.next_rank
                 grad = None if stage.is_last else Recv(shape, peer, device, stage.gradients).wait()
-            # Data-parallel gradients are averaged once, during the chunk's last backward.
-            stage.model.require_backward_grad_sync = backwards[action.chunk] == m - 1
-            backwards[action.chunk] += 1
-            with timeline.run(action):
+            with timeline.run(action), deferred([]) if split else nullcontext() as closures:
                 grad_input = stage.backward(x, y, grad)
+            if split:
+                waiting[action.chunk, k] = closures
             if not stage.is_first:
                 send("backward", grad_input, stage.prev_rank, stage.gradients)
-    assert not saved and receiving is None, "every forward's backward ran, every input arrived"
+    assert not saved and not waiting, "every forward's backward ran, and every W"
+    assert receiving is None, "every input arrived"
     with timeline.blocked("send", any(sending.values())):
         for last_send in sending.values():
             if last_send is not None:
@@ -416,4 +481,5 @@ if __name__ == "__main__":  # the schedules' tables: python pipeline_parallel.py
     tables = [table(name, p, m) for name in ["afab", "1f1b"]]
     if m % p == 0:  # interleaved sends the micro-batches around in groups of pp_size
         tables.append(table("interleaved", p, m, v))
+    tables.append(table("zb1", p, m))
     print("\n".join(tables))

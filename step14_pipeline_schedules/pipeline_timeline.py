@@ -27,10 +27,13 @@ class NoTimeline:
 
 class Timeline(NoTimeline):
     """The executor's record of one step on one stage: it wraps every action it runs in `run`
-    and every wait for a message in `blocked`."""
+    and every wait for a message in `blocked`. `frees`: the kind of action after which a
+    micro-batch's activations are gone (its backward, "B", or where the backward is split, its
+    weight gradients, "W")."""
 
-    def __init__(self):
+    def __init__(self, frees="B"):
         self.timeline, self.in_flight, self.peak_in_flight = [], 0, 0
+        self.frees = frees
         # (kind, micro-batch, start, end) in nanoseconds of the wall clock, which every rank of a
         # machine shares, so that the stages' spans line up in one picture.
         self.spans, self.messages, self.start = [], [], time.time_ns()
@@ -41,7 +44,7 @@ class Timeline(NoTimeline):
         yield
         self.spans.append((action.kind, action.micro_batch, start, time.time_ns()))
         self.timeline.append(str(action))
-        self.in_flight += 1 if action.kind == "F" else -1
+        self.in_flight += 1 if action.kind == "F" else -1 if action.kind == self.frees else 0
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     @contextmanager
@@ -66,8 +69,8 @@ class Timeline(NoTimeline):
         for kind, k, start, stop in [*spans, ("end", None, end, end)]:
             if start > previous:
                 events.append(span("other", "other", previous, start, stage))
-            if kind in ("F", "B"):
-                name, category = f"{kind}{k + 1}", "forward" if kind == "F" else "backward"
+            if kind in CATEGORIES:
+                name, category = f"{kind}{k + 1}", CATEGORIES[kind]
                 events.append(span(name, category, start, stop, stage, micro_batch=k + 1))
             elif kind != "end":
                 events.append(span(kind, kind, start, stop, stage))
@@ -76,13 +79,16 @@ class Timeline(NoTimeline):
 
     def report(self, m, engine, pgm, trace_path=""):
         """Each stage's timeline, its peak of held micro-batches and its idle fraction, beside
-        the textbook bubble of AFAB and 1F1B, (p - 1) / (m + p - 1). With a trace path, rank 0
-        also writes its pipeline's step as a Chrome trace, one track per stage."""
+        the textbook bubble: AFAB's and 1F1B's (p - 1) / (m + p - 1); with the backward split
+        and F, B and W of equal length, (p - 1) / (3 m + p - 1), the W's filling two thirds of
+        it. With a trace path, rank 0 also writes its pipeline's step as a Chrome trace, one
+        track per stage."""
         end, p, r = time.time_ns(), pgm.pp_size, pgm.pp_rank
+        textbook = (p - 1) / ((3 if self.frees == "W" else 1) * m + p - 1)
         log(
             f"pp stage {r} {engine}: {' '.join(self.timeline)} | held at most "
             f"{self.peak_in_flight} micro-batches | bubble {self.bubble():.2f} (textbook "
-            f"{(p - 1) / (m + p - 1):.2f})",
+            f"{textbook:.2f})",
             all_ranks=True,
         )
         if trace_path:
@@ -92,6 +98,9 @@ class Timeline(NoTimeline):
                 info = {"engine": engine, "pp_size": p, "micro_batches": m}
                 write_trace(trace_path, stages, info)
                 log(f"pp timeline of this step: {trace_path}")
+
+
+CATEGORIES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def write_trace(path, stages, info):

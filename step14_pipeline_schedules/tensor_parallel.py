@@ -87,9 +87,10 @@ class ColumnParallelLinear(nn.Module):
         place(self, "weight", Split("tp", 0, self.tp_rank, self.tp_size))  # rows
 
     init_parameter = init_piece  # this rank's piece of the full weight
+    linear = staticmethod(F.linear)  # a zero-bubble schedule swaps in one that defers W
 
     def forward(self, x):
-        return F.linear(x, self.weight)  # (.., D) -> (.., F/tp)
+        return self.linear(x, self.weight)  # (.., D) -> (.., F/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -106,9 +107,10 @@ class RowParallelLinear(nn.Module):
 
     init_parameter = init_piece  # this rank's piece of the full weight
     g = Reduce  # sequence parallelism swaps in a reduce-scatter along the sequence
+    linear = staticmethod(F.linear)  # a zero-bubble schedule swaps in one that defers W
 
     def forward(self, x):
-        return self.g.apply(F.linear(x, self.weight), self.group)  # (.., D/tp) -> (.., F)
+        return self.g.apply(self.linear(x, self.weight), self.group)  # (.., D/tp) -> (.., F)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -130,11 +132,12 @@ class VocabParallelEmbedding(nn.Module):
 
     init_parameter = init_piece  # this rank's piece of the full weight
     g = Reduce  # sequence parallelism swaps in a reduce-scatter along the sequence
+    lookup = staticmethod(F.embedding)  # a zero-bubble schedule swaps in one that defers W
 
     def forward(self, input_ids):
         local = input_ids - self.vocab_start  # (B, T)
         elsewhere = (local < 0) | (local >= self.vocab_per_partition)
-        x = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)  # (B, T, D)
+        x = self.lookup(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)  # (B, T, D)
         return self.g.apply(x.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
 
 

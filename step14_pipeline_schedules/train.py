@@ -28,12 +28,14 @@ from model import LlamaForCausalLM
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     PipelineParallel,
     Stage,
     TiedEmbeddings,
     check_pipeline_parallel,
     check_schedule,
     forward_step,
+    frees,
     gradient_group,
     keep_stage,
     rank_chunks,
@@ -55,6 +57,7 @@ from tensor_parallel import (
 )
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
 from zero import DataParallelZero1
+from zero_bubble import apply_zero_bubble
 
 
 class Context(NamedTuple):
@@ -181,6 +184,8 @@ def build_model(ctx, config):
         if pgm.cp_size > 1:  # Context parallelism: attention around the cp ring
             apply_context_parallel(model, pgm.cp_group)
         keep_stage(model, pgm, args.pp_virtual_stages)  # Pipeline parallelism: its chunks only
+        if args.pp_engine in SPLIT_BACKWARD:  # Zero bubble: weight gradients that can wait
+            apply_zero_bubble(model)
         apply_recompute(model, args.recompute)  # Recomputation: what backward computes again
         if args.zero_stage == 3:  # ZeRO-3: this rank's rows of every parameter only
             shard_parameters(model, pgm, ("dp", "cp"))
@@ -242,7 +247,7 @@ def train_step(ctx, state, micro_batches):
     stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
     chunks = args.pp_virtual_stages
     actions = SCHEDULES[args.pp_engine](pgm.pp_size, len(micro_batches), chunks)[pgm.pp_rank]
-    timeline = Timeline() if args.pp_timeline is not None else NoTimeline()
+    timeline = Timeline(frees(actions)) if args.pp_timeline is not None else NoTimeline()
     stages = [Stage(model, pgm, chunk, chunks, state.gradients) for chunk in range(chunks)]
     total = run_schedule(actions, stages, micro_batches, stage_loss, shape, device, dtype, timeline)
     if args.pp_timeline is not None:

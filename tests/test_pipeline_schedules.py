@@ -1,14 +1,17 @@
-"""Step 14: interleaved 1F1B. Each rank's order of chunk forwards and backwards is PyTorch's
-`ScheduleInterleaved1F1B`'s; what it holds follows the warm-up's formula; the layouts train like
-one process, the gradients going back on a group of their own; a checkpoint of two chunks per
-rank resumes on one process and at 1F1B; what cannot work is refused before the first step."""
+"""Step 14: interleaved 1F1B and ZB-H1. Each rank's order of chunk forwards and backwards is
+PyTorch's `ScheduleInterleaved1F1B`'s, and of F, B and W its `ScheduleInterleavedZeroBubble`'s;
+what they hold follows the formulas; the layouts train like one process, the gradients going back
+on a group of their own, and ZB-H1 exactly like 1F1B; a checkpoint of two chunks per rank resumes
+on one process and at 1F1B; what cannot work is refused before the first step."""
 
 import sys
+import types
 from fractions import Fraction
 
 import pytest
 from conftest import ROOT, TINY, check, import_step, read_log, run_step
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -20,6 +23,8 @@ SHAPES = [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 
 FOUR = [*TINY[: TINY.index("--num_hidden_layers")], "--num_hidden_layers", "4"]
 FOUR += TINY[TINY.index("--num_hidden_layers") + 2 :]
 INTERLEAVED = ["--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_stages", "2"]
+# (pp_size, m) for ZB-H1: any m, fewer micro-batches than stages included.
+ZB_SHAPES = [(2, 1), (2, 4), (3, 4), (3, 6), (4, 2), (4, 6), (4, 8), (4, 12)]
 
 
 def ours(p, m, v):
@@ -52,26 +57,90 @@ def test_interleaved_holds_its_warm_up(p, m, v):
     assert pp.held(pp.SCHEDULES["interleaved"](4, 8, 2)[0]) == 11
 
 
-def test_every_layout_trains_like_one_process(tmp_path):
-    """The manifest's step-14 layouts (interleaved pp 2 with 2 chunks per rank; with tp 2 and
-    sequence parallelism; at dp 2 with ZeRO-3 and full recomputation) against step 3 on one
-    process, four layers, the same batch of 4 micro-batches."""
+@pytest.mark.parametrize("p, m", ZB_SHAPES, ids=[f"pp{p}-m{m}" for p, m in ZB_SHAPES])
+def test_zb1_order_is_torchs(p, m):
+    """torch's ZB1P order with one stage per rank (ScheduleInterleavedZeroBubble's own rank
+    orders, before the idle slots it adds where a rank would wait; its schedule visualiser
+    refuses one stage per rank), B written I there."""
+    pp = import_step(S14, "pipeline_parallel")
+    mine = [
+        [f"{r}{dict(F='F', B='I', W='W')[a.kind]}{a.micro_batch}" for a in actions]
+        for r, actions in enumerate(pp.SCHEDULES["zb1"](p, m))
+    ]
+    rounds = max(1, m // p)
+    schedule = types.SimpleNamespace(
+        n_local_stages=1, pp_group_size=p, _n_microbatches=m, microbatches_per_round=m // rounds
+    )
+    ranks = [
+        ScheduleInterleavedZeroBubble._calculate_single_rank_operations(schedule, r)
+        for r in range(p)
+    ]
+    assert mine == [[str(a) for a in ops if a is not None] for ops in ranks]
+
+
+@pytest.mark.parametrize("p, m", ZB_SHAPES, ids=[f"pp{p}-m{m}" for p, m in ZB_SHAPES])
+def test_zb1_holds_what_1f1b_holds_on_its_first_rank(p, m):
+    """A micro-batch is held from its F to its W: rank r holds its 1F1B warm-up and the r W's it
+    keeps back, min(p, m) on every rank, 1F1B's peak, which rank 0 holds; every F has its B and
+    its W, each after the one before."""
+    pp = import_step(S14, "pipeline_parallel")
+    for r, actions in enumerate(pp.SCHEDULES["zb1"](p, m)):
+        assert pp.held(actions) == min(p, m), r
+        for k in range(m):
+            order = [actions.index(pp.Action(kind, k)) for kind in "FBW"]
+            assert order == sorted(order), (r, k)
+        assert len(actions) == 3 * m
+    assert pp.held(pp.SCHEDULES["1f1b"](p, m)[0]) == min(p, m)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The manifest's step-14 layouts and step 3 on one process, four layers, the same batch of 4
+    micro-batches; and each zb1 layout again at 1F1B. {name: records}."""
+    out = tmp_path_factory.mktemp("layouts")
     common = [*FOUR, "--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
     common += ["--num_proc", "1", "--sample_tokens", "4"]
     env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    baseline = convergence.run(convergence.baseline_layout(4), common, tmp_path, env=env)
-    results = {}
+    runs = {"baseline": convergence.baseline_layout(4)}
     for layout in convergence.step_layouts(14, 4):
-        records = convergence.run(layout, common, tmp_path, env=env)
-        results[layout.name] = convergence.compare(records, baseline)
+        runs[layout.name] = layout
+        if "zb1" in layout.flags:
+            flags = tuple("1f1b" if flag == "zb1" else flag for flag in layout.flags)
+            twin = layout.name.replace("zb1", "1f1b")
+            runs[twin] = convergence.Layout(
+                twin, layout.step, layout.nproc, flags, layout.accumulation
+            )
+    return {name: convergence.run(layout, common, out, env=env) for name, layout in runs.items()}
+
+
+def test_every_layout_trains_like_one_process(trained):
+    """The manifest's step-14 layouts (interleaved pp 2 with 2 chunks per rank; with tp 2 and
+    sequence parallelism; at dp 2 with ZeRO-3 and full recomputation; ZB-H1 with tp 2 and
+    sequence parallelism, and at dp 2, its buckets launched in W) against step 3 on one process."""
+    names = [layout.name for layout in convergence.step_layouts(14, 4)]
+    results = {name: convergence.compare(trained[name], trained["baseline"]) for name in names}
     print(f"\n{convergence.table(results)}")
     assert sorted(results) == [
         "interleaved_pp2_v2",
         "interleaved_pp2_v2_dp2_zero3_full",
         "interleaved_pp2_v2_tp2_sp",
+        "zb1_pp2_dp2",
+        "zb1_pp2_tp2_sp",
     ]
     for name, comparison in results.items():
         assert comparison.ok, f"{name}: {comparison.problems}"
+
+
+@pytest.mark.parametrize("layout", ["zb1_pp2_tp2_sp", "zb1_pp2_dp2"])
+def test_zb1_trains_exactly_like_1f1b(trained, layout):
+    """The same layout at ZB-H1 and at 1F1B: every loss and gradient norm bit for bit. W computes
+    each weight gradient with autograd's own matmul, in the same order of micro-batches, and the
+    buckets fill and leave in W as they did in backward: only the time of each changes."""
+    twin = layout.replace("zb1", "1f1b")
+    keys = ["step", "loss", "grad_norm", "val_loss"]
+    mine = [{k: r[k] for k in keys if k in r} for r in trained[layout]]
+    assert mine == [{k: r[k] for k in keys if k in r} for r in trained[twin]]
+    assert len(mine) == 6
 
 
 def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
@@ -121,8 +190,18 @@ def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
             2,
             "pp_size x pp_virtual_stages = 2 x 2 = 4 chunks of layers is more",
         ),
+        (
+            ["--pp_size", "2", "--pp_engine", "zb1", "--dp_size", "2", "--zero_stage", "3"],
+            4,
+            "--pp_engine zb1 defers the weight gradients past the backward",
+        ),
+        (
+            ["--pp_size", "2", "--pp_engine", "zb1", "--compile"],
+            2,
+            "torch.compile does not trace: drop --compile",
+        ),
     ],
-    ids=["engine", "one-chunk", "micro-batches", "layers"],
+    ids=["engine", "one-chunk", "micro-batches", "layers", "zb1-zero3", "zb1-compile"],
 )
 def test_what_cannot_work_is_refused_before_the_first_step(flags, nproc, message):
     result = run_step(S14, [*TINY, "--max_steps", "2", *flags], nproc=nproc)
@@ -136,14 +215,18 @@ def test_what_cannot_work_is_refused_before_the_first_step(flags, nproc, message
 def test_the_simulator_finds_the_textbook_bubble(p, m, v):
     """tools/simulate_pipeline.py runs the trainer's schedules with forwards of 1 unit and
     backwards of 2 (a chunk's: a v-th of that): each schedule's idle share of the step is
-    (p - 1) / (v m + p - 1) exactly, v = 1 for AFAB and 1F1B."""
+    (p - 1) / (v m + p - 1) exactly, v = 1 for AFAB and 1F1B; ZB-H1's, its backward split into B
+    and W of 1 unit each, (p - 1) / (3 m + p - 1)."""
     import simulate_pipeline
 
-    for engine in ["afab", "1f1b", "interleaved"]:
+    for engine in ["afab", "1f1b", "interleaved", "zb1"]:
         args = simulate_pipeline.parse_args(
             ["--engine", engine, "--pp_size", str(p), "--micro_batches", str(m)]
-            + ["--virtual_stages", str(v)]
+            + ["--virtual_stages", str(v), "--weight", "1"]
         )
         text, bubble = simulate_pipeline.report(engine, args)
+        if engine == "zb1":  # F, B and W of one unit: the W's fill two thirds of 1F1B's
+            assert bubble == Fraction(p - 1, 3 * m + p - 1), text
+            continue
         chunks = v if engine == "interleaved" else 1
         assert bubble == Fraction(p - 1, chunks * m + p - 1), (engine, text)

@@ -4,6 +4,7 @@ fraction (the bubble) and the micro-batches it holds, from unit costs of a forwa
     python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8
     python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine interleaved \\
         --virtual_stages 2 --forward 1 --backward 2
+    python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine zb1 --weight 1
 
 The schedules are step 14's own (`pipeline_parallel.SCHEDULES`), the lists of actions the trainer
 runs. Each rank runs its actions in order, one at a time; an action starts when the rank is free
@@ -11,11 +12,13 @@ and what it needs has arrived: a forward, the previous stage's forward of the sa
 (the stage before is on the previous rank; rank 0's chunk c follows the last rank's chunk c - 1),
 a backward, the next stage's backward. Messages take no time. A chunk's forward costs
 --forward / v time units and its backward --backward / v: the layers are cut into v times as
-many pieces. Each rank's line shows one character per tick (a time unit, or a v-th of one when
-the costs do not divide): a forward's ticks show its micro-batch's number (1, 2, ..., then A, B,
-...), a backward's a letter (a for micro-batch 1, b for 2, ...), idle ticks a dot; the chunks of
-interleaved are not told apart. The bubble is the idle share of the step on a rank; the textbook
-one, (p - 1) / (v m + p - 1), is AFAB's and 1F1B's at v = 1.
+many pieces. Where the backward is split (zb1), B costs --backward minus --weight and W
+--weight; a W waits for nothing but its own B. Each rank's line shows one character per tick
+(a time unit, or a v-th of one when the costs do not divide): a forward's ticks show its
+micro-batch's number (1, 2, ..., then A, B, ...), a backward's a letter (a for micro-batch 1, b
+for 2, ...), a W's a star, idle ticks a dot; the chunks of interleaved are not told apart. The
+bubble is the idle share of the step on a rank; the textbook one, (p - 1) / (v m + p - 1), is
+AFAB's and 1F1B's at v = 1; with F, B and W of one unit each, ZB-H1's is (p - 1) / (3 m + p - 1).
 """
 
 import argparse
@@ -32,16 +35,22 @@ LETTERS = string.ascii_lowercase  # B of micro-batch 1, 2, ...
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--engine", default=None, help="afab, 1f1b or interleaved (all: none)")
+    parser.add_argument("--engine", default=None, help="afab, 1f1b, interleaved or zb1 (all: none)")
     parser.add_argument("--pp_size", type=int, default=4)
     parser.add_argument("--micro_batches", type=int, default=8, help="m")
     parser.add_argument("--virtual_stages", type=int, default=2, help="v, for interleaved")
     parser.add_argument("--forward", type=int, default=1, help="a stage's forward, time units")
     parser.add_argument("--backward", type=int, default=2, help="a stage's backward")
+    parser.add_argument("--weight", type=int, default=1, help="W's share of it, for zb1")
     args = parser.parse_args(argv)
-    for name in ["pp_size", "micro_batches", "virtual_stages", "forward", "backward"]:
+    for name in ["pp_size", "micro_batches", "virtual_stages", "forward", "backward", "weight"]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.weight >= args.backward:
+        parser.error(
+            f"--weight {args.weight} must be less than --backward {args.backward}: W is a part "
+            f"of the backward, B the rest"
+        )
     if args.engine == "interleaved" and args.micro_batches % args.pp_size:
         parser.error(
             f"interleaved sends micro-batches in groups of pp_size: --micro_batches "
@@ -59,10 +68,14 @@ def schedules():
     return pipeline_parallel.SCHEDULES, pipeline_parallel.held
 
 
-def simulate(actions, p, chunks, forward, backward):
+def simulate(actions, p, chunks, forward, backward, weight=0):
     """Start and end of every action of every rank: {(rank, action): (start, end)}, in exact
-    fractions of a time unit. `actions`: each rank's list, as the schedules give them."""
-    cost = {"F": Fraction(forward, chunks), "B": Fraction(backward, chunks)}
+    fractions of a time unit. `actions`: each rank's list, as the schedules give them; `weight`:
+    W's cost, taken from B's, where the schedule has W's."""
+    split = any(a.kind == "W" for row in actions for a in row)
+    weight = weight if split else 0
+    cost = {"F": Fraction(forward, chunks), "B": Fraction(backward - weight, chunks)}
+    cost["W"] = Fraction(weight, chunks)
     last = chunks * p - 1  # the last stage's index
 
     def needs(rank, action):  # the action of another rank that this one waits for
@@ -103,6 +116,7 @@ def timeline(done, actions, p, tick):
         for action in actions[r]:
             start, stop = done[r, action]
             mark = (DIGITS if action.kind == "F" else LETTERS)[action.micro_batch % len(LETTERS)]
+            mark = "*" if action.kind == "W" else mark
             for t in range(int(start / tick), int(stop / tick)):
                 row[t] = mark
         lines.append(f"  rank {r}  {''.join(row)}")
@@ -114,16 +128,20 @@ def report(name, args):
     v = args.virtual_stages if name == "interleaved" else 1
     p, m = args.pp_size, args.micro_batches
     actions = table[name](p, m, v)
-    done = simulate([list(a) for a in actions], p, v, args.forward, args.backward)
+    done = simulate([list(a) for a in actions], p, v, args.forward, args.backward, args.weight)
     end = max(e for _, e in done.values())
     work = m * (args.forward + args.backward)  # one rank's compute, every chunk
     bubble = 1 - Fraction(work) / end
-    tick = Fraction(1, v) if (args.forward % v or args.backward % v) else Fraction(1)
+    costs = (args.forward, args.backward, args.weight)
+    tick = Fraction(1, v) if any(cost % v for cost in costs) else Fraction(1)
     chunks = f", v {v}" if v > 1 else ""
-    textbook = Fraction(p - 1, v * m + p - 1)
+    if name == "zb1":  # with F, B and W of one unit each
+        formula, textbook = "(p - 1) / (3 m + p - 1)", Fraction(p - 1, 3 * m + p - 1)
+    else:
+        formula, textbook = "(p - 1) / (v m + p - 1)", Fraction(p - 1, v * m + p - 1)
     lines = [
         f"{name.upper()}, pp {p}, m {m}{chunks}: step {float(end):g} units, bubble "
-        f"{float(bubble):.3f} (textbook (p - 1) / (v m + p - 1) = {float(textbook):.3f}), held "
+        f"{float(bubble):.3f} (textbook {formula} = {float(textbook):.3f}), held "
         f"{', '.join(str(held(a)) for a in actions)} (chunk forwards, rank 0 first)",
         *timeline(done, actions, p, tick),
     ]
@@ -135,6 +153,8 @@ def main(argv=None):
     engines = [args.engine] if args.engine else ["afab", "1f1b"]
     if not args.engine and args.micro_batches % args.pp_size == 0:
         engines.append("interleaved")
+    if not args.engine:
+        engines.append("zb1")
     for name in engines:
         print(report(name, args)[0])
 

@@ -116,6 +116,7 @@ GRID = ("--tp_size", "2", "--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f
 ZERO3 = ("--zero_stage", "3")
 SP2 = ("--tp_size", "2", "--sequence_parallel")
 INTERLEAVED = ("--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_stages", "2")
+ZB1 = ("--pp_size", "2", "--pp_engine", "zb1")
 # Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
 # gather of the logits, and the plan that puts them all in the model.
 TP = "tensor_parallel.py"
@@ -476,7 +477,7 @@ STEPS = [
          blanks=BUCKET_BLANKS, graded=BUCKET_GRADED),
     Step("step7_pipeline_parallel_afab",
          ("pipeline_parallel.py", "pipeline_timeline.py", "checkpoint.py", "train.py", "README.md"),
-         ("pipeline_timeline.py",),
+         (),
          convergence=(("pp2_afab", 2, (*PP2, "afab"), 1),),
          memory={"pp": 2, "micro_batches": 4}, blanks=PP_BLANKS, graded=PP_GRADED),
     Step("step8_pipeline_parallel_1f1b", ("pipeline_parallel.py", "train.py", "README.md"),
@@ -514,7 +515,7 @@ STEPS = [
     Step("step13_sequence_parallel",
          ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
           "train.py", "README.md"),
-         ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py"),
+         ("sequence_parallel.py", "recompute.py", "fully_sharded.py"),
          convergence=(("sp_tp2_selective", 2, (*SP2, "--recompute", "selective"), 1),
                       ("sp_pp2_tp2_full", 4, (*SP2, *PP2, "1f1b", "--recompute", "full"), 1),
                       ("sp_cp2_tp2", 4, (*SP2, "--cp_size", "2"), 1),
@@ -523,11 +524,16 @@ STEPS = [
                       ("zero3_dp2_pp2_full", 4,
                        ("--dp_size", "2", *PP2, "1f1b", *ZERO3, "--recompute", "full"), 2)),
          bench={"sp": 2}, blanks=SP_BLANKS, graded=SP_GRADED),
-    Step("step14_pipeline_schedules", ("pipeline_parallel.py", "train.py", "README.md"),
+    Step("step14_pipeline_schedules",
+         ("pipeline_parallel.py", "zero_bubble.py", "tensor_parallel.py", "pipeline_timeline.py",
+          "train.py", "README.md"),
+         ("pipeline_parallel.py", "zero_bubble.py", "tensor_parallel.py", "pipeline_timeline.py"),
          convergence=(("interleaved_pp2_v2", 2, INTERLEAVED, 1),
                       ("interleaved_pp2_v2_tp2_sp", 4, (*INTERLEAVED, *SP2), 1),
                       ("interleaved_pp2_v2_dp2_zero3_full", 4,
-                       (*INTERLEAVED, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2)),
+                       (*INTERLEAVED, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2),
+                      ("zb1_pp2_tp2_sp", 4, (*ZB1, *SP2), 1),
+                      ("zb1_pp2_dp2", 4, (*ZB1, *DP2_BUCKETS), 2)),
          bench={"interleaved": 2}),
 ]  # fmt: skip
 
