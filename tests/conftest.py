@@ -32,9 +32,10 @@ TINY = [
 
 # `pytest --step DIR tests/...` tests DIR, a copy of a step's folder with the same name
 # (tools/exercise.py makes one for the learner to fill in), wherever a test would use that step's
-# folder. An environment variable carries it, so that every process started from here sees it too:
-# the ranks of `spawn` (which import this file afresh), a run of train.py, a pytest that a test
-# starts. Set by hand, the variable does what the option does. (Without a test path, write
+# folder; `--step` again adds a copy of another step. An environment variable carries them, so
+# that every process started from here sees them too: the ranks of `spawn` (which import this file
+# afresh), a run of train.py, a pytest that a test starts. Set by hand (the folders joined by the
+# path separator, ":"), the variable does what the option does. (Without a test path, write
 # `--step=DIR`: pytest reads its options before it finds this file, and would take DIR alone for
 # the tests to run.)
 STEP_DIR = "PICO3D_STEP_DIR"
@@ -43,39 +44,45 @@ STEP_DIR = "PICO3D_STEP_DIR"
 def pytest_addoption(parser):
     parser.addoption(
         "--step",
+        action="append",
         metavar="DIR",
         help="test DIR, a copy of a step's folder named like it (exercises/step4_tensor_parallel), "
-        "instead of that step's folder",
+        "instead of that step's folder; once per step",
     )
 
 
 def pytest_configure(config):
-    folder = config.getoption("--step") or os.environ.get(STEP_DIR)
-    if not folder:
-        return
-    path = Path(folder).resolve()
-    if not path.is_dir():
-        raise pytest.UsageError(f"--step {folder}: no such folder")
-    if not STEP_NAME.fullmatch(path.name) or not (ROOT / path.name).is_dir():
-        raise pytest.UsageError(
-            f"--step {folder}: the copy must be named like the step's folder it replaces "
-            f"(step4_tensor_parallel, ...), not {path.name}"
-        )
-    os.environ[STEP_DIR] = str(path)
+    folders = config.getoption("--step") or os.environ.get(STEP_DIR, "").split(os.pathsep)
+    paths = []
+    for folder in filter(None, folders):
+        path = Path(folder).resolve()
+        if not path.is_dir():
+            raise pytest.UsageError(f"--step {folder}: no such folder")
+        if not STEP_NAME.fullmatch(path.name) or not (ROOT / path.name).is_dir():
+            raise pytest.UsageError(
+                f"--step {folder}: the copy must be named like the step's folder it replaces "
+                f"(step4_tensor_parallel, ...), not {path.name}"
+            )
+        if path.name in [other.name for other in paths]:
+            raise pytest.UsageError(f"--step {folder}: a second copy of {path.name}")
+        paths.append(path)
+    if paths:
+        os.environ[STEP_DIR] = os.pathsep.join(map(str, paths))
+
+
+def copies():
+    """The copies that --step names, by the step folder each replaces."""
+    folders = filter(None, os.environ.get(STEP_DIR, "").split(os.pathsep))
+    return {Path(folder).name: Path(folder) for folder in folders}
 
 
 def pytest_report_header(config):
-    if os.environ.get(STEP_DIR):
-        path = Path(os.environ[STEP_DIR])
-        return f"{path.name} is tested in {path} (--step)"
+    return [f"{name} is tested in {path} (--step)" for name, path in copies().items()]
 
 
 def step_dir(step):
     """Where the tests find step folder `step`: ROOT / step, or the copy that --step names."""
-    copy = os.environ.get(STEP_DIR)
-    if copy and Path(copy).name == step:
-        return Path(copy)
-    return ROOT / step
+    return copies().get(step, ROOT / step)
 
 
 def import_step(step, name):

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import bench  # noqa: E402
 
 TINY_BENCH = [
-    "--num_hidden_layers", "2", "--hidden_size", "64", "--intermediate_size", "128",
+    "--num_hidden_layers", "4", "--hidden_size", "64", "--intermediate_size", "128",
     "--num_attention_heads", "4", "--num_key_value_heads", "2",
     "--seq_len", "16", "--micro_batch_size", "2", "--micro_batches", "4",
     "--steps", "1", "--warmup", "0",
@@ -23,16 +23,20 @@ TINY_BENCH = [
 
 @pytest.fixture(scope="module")
 def run():
-    """run(part): one run of that comparison (the checked step, then one timed step per side),
-    shared by the tests; its rows by our side's name, and by (ours, theirs)."""
+    """run(part): that comparison's rows (the checked step, then one timed step per side), by our
+    side's name and by (ours, theirs). Every part runs once, shared by the tests, at the first
+    call: those on one process here, those on 2 ranks one after the other in one start of the
+    ranks, as `python tools/bench.py` runs them."""
     cache = {}
 
     def rows(part):
-        if part not in cache:
-            args = bench.parse_args([*TINY_BENCH, "--parts", part])
-            found = bench.measure(args, timeout=300)
-            cache[part] = {r["ours"]: r for r in found}
-            cache[part] |= {(r["ours"], r["theirs"]): r for r in found}
+        if not cache:
+            args = bench.parse_args([*TINY_BENCH, "--parts", ",".join(bench.WORLD)])
+            for world in sorted(set(bench.WORLD.values())):
+                parts = [p for p in bench.WORLD if bench.WORLD[p] == world]
+                for name, found in bench.run_parts(parts, args, timeout=300).items():
+                    cache[name] = {r["ours"]: r for r in found}
+                    cache[name] |= {(r["ours"], r["theirs"]): r for r in found}
         return cache[part]
 
     return rows
@@ -52,14 +56,17 @@ def test_pipeline_gradients_equal_schedule_1f1b(run):
         assert row["ok"]
 
 
-def test_interleaved_gradients_equal_schedule_interleaved_1f1b():
-    """Step 14's interleaved 1F1B, pp 2 x 2 chunks of one layer, m 4, against torch's schedule on
-    the same chunks: every gradient to the bit (both divide the same sums by m = 4)."""
-    args = bench.parse_args([*TINY_BENCH, "--parts", "interleaved", "--num_hidden_layers", "4"])
-    [row] = bench.measure(args, timeout=300)
-    assert row["theirs"] == "ScheduleInterleaved1F1B"
-    assert checks(row)["grad"] == 0.0, row
-    assert row["ok"]
+def test_step14_gradients_equal_torchs_schedules(run):
+    """Step 14's interleaved 1F1B, pp 2 x 2 chunks of one layer, and ZB-H1, pp 2 x 2 layers, m 4,
+    against torch's schedules on the same chunks (ZB1P for ZB-H1, its backward split by autograd,
+    ours by zero_bubble.py's layers): every gradient to the bit (both divide the same sums by
+    m = 4)."""
+    theirs = {"interleaved": "ScheduleInterleaved1F1B", "zb1": "ScheduleInterleavedZeroBubble"}
+    for part, schedule in theirs.items():
+        row = run(part)[part]
+        assert row["theirs"] == schedule
+        assert checks(row)["grad"] == 0.0, row
+        assert row["ok"]
 
 
 def test_tensor_parallel_loss_equals_dtensor(run):
@@ -123,7 +130,8 @@ def test_ring_attention_rows_agree_with_float64_sdpa(run):
 
 
 def test_table_shows_every_comparison(run):
-    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp"]
+    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1"]
+    assert sorted(parts) == sorted(bench.WORLD)
     rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)
     assert text.count("\n") == len(rows) + 1  # a header, a rule, one line per comparison

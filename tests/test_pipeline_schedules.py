@@ -4,12 +4,17 @@ what they hold follows the formulas; the layouts train like one process, the gra
 on a group of their own, and ZB-H1 exactly like 1F1B; a checkpoint of two chunks per rank resumes
 on one process and at 1F1B; what cannot work is refused before the first step."""
 
+import itertools
 import sys
 import types
+from contextlib import nullcontext
 from fractions import Fraction
 
 import pytest
-from conftest import ROOT, TINY, check, import_step, read_log, run_step
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import ROOT, TINY, assert_matches, check, import_step, read_log, run_step
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
@@ -91,6 +96,165 @@ def test_zb1_holds_what_1f1b_holds_on_its_first_rank(p, m):
             assert order == sorted(order), (r, k)
         assert len(actions) == 3 * m
     assert pp.held(pp.SCHEDULES["1f1b"](p, m)[0]) == min(p, m)
+
+
+# ---- the backward split: B, then W, against autograd ---------------------------------------------
+
+# Each piece, and the function that computes its output.
+SPLIT_PIECES = {
+    "linear": "Linear.forward",
+    "lookup": "Lookup.forward",
+    "norm": "Hold.forward",
+    "model": "apply_zero_bubble",
+}
+
+
+def seeded(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def tokens(k, vocab):
+    """Micro-batch k's ids and targets, (2, 8) each, the first id the pad token (0)."""
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(k))
+    ids[0, 0] = 0
+    return ids[:, :-1], ids[:, 1:]
+
+
+def split_piece(zb, piece, split):
+    """Step 14's `piece` with fixed weights, its weight gradients deferred through zero_bubble.py
+    (`split`) or autograd's own: its parameters by name, and run(k), micro-batch k's input leaf
+    (None for token ids), output and the output's gradient (None: the output is the loss)."""
+    if piece == "model":  # tp 1, every layer swapped as train.py swaps them for zb1
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = sys.modules["model"].LlamaForCausalLM(config)
+            sys.modules["tensor_parallel"].apply_tensor_parallel(model, dist.group.WORLD)
+            if split:
+                zb.apply_zero_bubble(model)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+
+        def run(k):  # the loss divided by the 2 micro-batches, as run_schedule divides it
+            ids, targets = tokens(k, config.vocab_size)
+            return None, F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()) / 2, None
+
+        return dict(model.named_parameters()), run
+    if piece == "lookup":  # 16 rows, the pad row 0
+        weight = torch.nn.Parameter(seeded((16, 8), 1))
+        lookup = zb.lookup if split else F.embedding
+
+        def run(k):
+            y = lookup(tokens(k, 16)[0], weight, 0)  # (2, 8) -> (2, 8, 8)
+            return None, y, seeded(y.shape, 20 + k).to(y.dtype)
+
+        return {"weight": weight}, run
+    if piece == "linear":
+        weight = torch.nn.Parameter(seeded((6, 8), 1))
+        forward = (lambda x: zb.linear(x, weight)) if split else (lambda x: F.linear(x, weight))
+    else:  # a norm, its weight through Hold
+        norm = sys.modules["model"].RMSNorm(8, 1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(seeded(8, 1))
+        weight = norm.weight
+        forward = (lambda x: zb.held_norm_forward(norm.forward, norm, x)) if split else norm
+
+    def run(k):
+        x = seeded((2, 4, 8), 10 + k).requires_grad_()
+        y = forward(x)  # (2, 4, 8) -> (2, 4, 6) or (2, 4, 8)
+        return x, y, seeded(y.shape, 20 + k).to(y.dtype)
+
+    return {"weight": weight}, run
+
+
+def computes(piece, name):
+    """The function that gives parameter `name` of `piece` its gradient (in the model, once the
+    pieces pass: apply_zero_bubble, which puts them there)."""
+    if piece == "lookup" or "embed_tokens" in name:
+        function = "Lookup.backward"
+    elif piece == "norm" or "norm" in name:
+        function = "Hold.backward"
+    else:
+        function = "Linear.backward"
+    return f"apply_zero_bubble, {function}" if piece == "model" else function
+
+
+def run_split(zb, piece, dtype, split, deferring):
+    """Two micro-batches through `piece`, each forward then backward, within `deferred` where
+    `deferring`, then the W's; every check of what B left. Returns the outputs, the inputs'
+    gradients, the parameters and their hooks' runs."""
+    params, run = split_piece(zb, piece, split)
+    hooks = dict.fromkeys(params, 0)  # post-accumulate hooks run: where the buckets launch
+    for name, param in params.items():
+        param.register_post_accumulate_grad_hook(
+            lambda _, name=name: hooks.__setitem__(name, hooks[name] + 1)
+        )
+    outputs, grads, closures = [], [], []
+    for k in range(2):
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            x, y, grad = run(k)
+        with zb.deferred([]) if deferring else nullcontext() as deferred:
+            torch.autograd.backward(y, grad)
+        closures.append(deferred)
+        outputs.append(y.detach())
+        grads.append(None if x is None else x.grad)
+    if deferring:
+        for name, param in params.items():
+            if param.grad is not None or hooks[name]:  # (pytest would show the whole tensor)
+                raise AssertionError(
+                    f"{computes(piece, name)} ({dtype}): {name} got its gradient in B (its hook "
+                    f"ran {hooks[name]} times): within `deferred`, hand_over gives it a closure "
+                    "that W runs"
+                )
+        for k, deferred in enumerate(closures):
+            try:
+                zb.weight_gradients(deferred)
+            except RuntimeError as error:  # in a closure: say whose
+                whose = "apply_zero_bubble" if piece == "model" else computes(piece, "")
+                raise AssertionError(f"{whose} ({dtype}, W of micro-batch {k}): {error}") from error
+    return outputs, grads, params, hooks
+
+
+@pytest.mark.parametrize("piece", SPLIT_PIECES)
+def test_b_then_w_gives_autograds_gradients(piece):
+    """zero_bubble.py against autograd on one process, in fp32 and under bf16 autocast, two
+    micro-batches: a linear layer, the embedding's lookup (its pad row left at 0), a norm's weight
+    through Hold, the tiny model with every layer swapped by apply_zero_bubble (tp 1). Within
+    `deferred`, B gives the input its gradient and no parameter its own, running none of their
+    hooks (the buckets' launch); the W's then give each parameter its gradient, bit for bit
+    autograd's, its hook run once a micro-batch. Outside `deferred`, B gives both at once."""
+    zb = import_step(S14, "zero_bubble")
+    if piece == "model":  # the tensor-parallel layers ask their group for its size
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dtype, deferring in itertools.product((torch.float32, torch.bfloat16), (True, False)):
+            outputs, grads, params, _ = run_split(zb, piece, dtype, False, False)
+            our_outputs, our_grads, ours, hooks = run_split(zb, piece, dtype, True, deferring)
+            when = f"{'after W' if deferring else 'outside deferred'}, {dtype}"
+            exact = {"rtol": 0, "atol": 0, "reference": "autograd"}
+            for k in range(2):
+                what = f"{SPLIT_PIECES[piece]} ({when}, micro-batch {k}): the output"
+                assert_matches(our_outputs[k], outputs[k], what, **exact)
+                if grads[k] is not None:
+                    what = f"{computes(piece, '')} ({when}, B of micro-batch {k}): x.grad"
+                    assert_matches(our_grads[k], grads[k], what, **exact)
+            for name, param in ours.items():
+                function = computes(piece, name)
+                if param.grad is None:
+                    raise AssertionError(f"{function} ({when}): {name} has no gradient")
+                what = f"{function} ({when}): {name}.grad"
+                assert_matches(param.grad, params[name].grad, what, **exact)
+                assert hooks[name] == 2, (
+                    f"{function} ({when}): {name}'s hook ran {hooks[name]} times for 2 "
+                    f"micro-batches: hand_over gives autograd each gradient once"
+                )
+    finally:
+        if piece == "model":
+            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
 """Our implementations side by side with PyTorch's own, checked to agree, timed in turn.
 
-Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention, sequence parallelism
-and interleaved 1F1B against transformers' Llama, DistributedDataParallel, DTensor,
-torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B), ZeroRedundancyOptimizer and
-FSDP2, PyTorch's ring function and DTensor's SequenceParallel plan.
+Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention, sequence parallelism,
+interleaved 1F1B and ZB-H1 against transformers' Llama, DistributedDataParallel, DTensor,
+torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble), ZeroRedundancyOptimizer and FSDP2, PyTorch's ring function and
+DTensor's SequenceParallel plan.
 
     python tools/bench.py                       # all but cp, the tiny model
     python tools/bench.py --parts pp --steps 30 --micro_batches 8
@@ -42,7 +43,7 @@ WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  #
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parts = "model,dp,tp,pp,zero,sp,interleaved"
+    parts = "model,dp,tp,pp,zero,sp,interleaved,zb1"
     parser.add_argument("--parts", default=parts, help="which, in order (or cp)")
     parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
     for name in bench_parts.OVERRIDES:
@@ -86,7 +87,7 @@ def device_for(args, world):
     return wanted
 
 
-def worker(rank, world, part, args, store_path, out_path):
+def worker(rank, world, parts, args, store_path, out_path):
     torch.set_num_threads(args.threads)
     device = torch.device(device_for(args, world))
     if device.type == "cuda":
@@ -95,39 +96,47 @@ def worker(rank, world, part, args, store_path, out_path):
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = dist.FileStore(store_path, world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=None)
-    rows = bench_parts.PARTS[part](args, device)
+    rows = {part: bench_parts.PARTS[part](args, device) for part in parts}  # one after the other
     if rank == 0:
         torch.save(rows, out_path)
     dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 
-def spawn(part, args, world, timeout):
-    """Run `part` on `world` new ranks; rank 0's rows. A hang is killed after `timeout` s."""
+def spawn(parts, args, world, timeout):
+    """Run `parts`, one after the other, on `world` new ranks (started once for all of them: each
+    start imports torch and transformers again); rank 0's rows, {part: rows}. A hang is killed
+    after `timeout` s per part."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "rows.pt")
-        context = mp.spawn(worker, (world, part, args, store, out), nprocs=world, join=False)
-        deadline = time.monotonic() + timeout
+        context = mp.spawn(worker, (world, parts, args, store, out), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout * len(parts)
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                raise TimeoutError(f"bench part {part} on {world} ranks took over {timeout} s")
+                raise TimeoutError(
+                    f"bench parts {','.join(parts)} on {world} ranks took over "
+                    f"{timeout * len(parts)} s"
+                )
         return torch.load(out)
 
 
-def run_part(part, args, timeout=3600):
-    """The rows of one comparison: in this process for one device, else in spawned ranks."""
-    world = WORLD[part]
+def run_parts(parts, args, timeout=3600):
+    """The rows of comparisons that run on the same number of ranks, {part: rows}: in this
+    process for one device, else in spawned ranks."""
+    world = WORLD[parts[0]]
     if world == 1:
         torch.set_num_threads(args.threads)
-        rows = bench_parts.PARTS[part](args, torch.device(device_for(args, 1)))
+        device = torch.device(device_for(args, 1))
+        found = {part: bench_parts.PARTS[part](args, device) for part in parts}
     else:
-        rows = spawn(part, args, world, timeout)
-    for row in rows:
-        row["device"] = device_for(args, world)
-        row["ok"] = all(value <= tolerance for _, value, tolerance in row["checks"])
-    return rows
+        found = spawn(parts, args, world, timeout)
+    for rows in found.values():
+        for row in rows:
+            row["device"] = device_for(args, world)
+            row["ok"] = all(value <= tolerance for _, value, tolerance in row["checks"])
+    return found
 
 
 def machine():
@@ -167,10 +176,18 @@ def table(rows):
 
 
 def measure(args, timeout=3600):
-    rows = []
+    """Every part's rows, in the order of --parts; consecutive parts on the same number of ranks
+    share one start of the ranks."""
+    rows, runs = [], []
     for part in args.parts:
-        rows += run_part(part, args, timeout)
-        print(f"{part}: done", file=sys.stderr, flush=True)
+        if runs and WORLD[runs[-1][0]] == WORLD[part]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    for parts in runs:
+        for part, found in run_parts(parts, args, timeout).items():
+            rows += found
+            print(f"{part}: done", file=sys.stderr, flush=True)
     return rows
 
 

@@ -519,13 +519,34 @@ def compare_interleaved(args, device):
     """Our interleaved 1F1B (step 14) against torch.distributed.pipelining's
     ScheduleInterleaved1F1B: two chunks of layers per rank (keep_stage with 2 chunks), each chunk
     one PipelineStage of theirs, all the micro-batches of the batch."""
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
-    model_module = import_step(part_step("interleaved"), "model")
-    pipeline = import_step(part_step("interleaved"), "pipeline_parallel")
+    return compare_schedule(args, device, "interleaved", 2, ScheduleInterleaved1F1B)
+
+
+def compare_zb1(args, device):
+    """Our ZB-H1 (step 14: the backward split by zero_bubble.py's layers) against
+    torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank (its
+    ZB1P, the same order), which splits the backward with autograd on the plain model."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+
+    return compare_schedule(args, device, "zb1", 1, ScheduleInterleavedZeroBubble)
+
+
+def compare_schedule(args, device, engine, chunks, schedule_class):
+    """Step 14's `engine` with `chunks` chunks of layers per rank against torch's
+    `schedule_class` on the same chunks, each one PipelineStage of theirs, all the micro-batches
+    of the batch. Where our schedule splits the backward, our model's layers are step 14's
+    (tensor-parallel layers of one rank, which defer their weight gradients); theirs is the
+    plain model."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    model_module = import_step(part_step(engine), "model")
+    pipeline = import_step(part_step(engine), "pipeline_parallel")
     pgm_module = sys.modules["process_group_manager"]  # the one pipeline_parallel imported
-    world, chunks = dist.get_world_size(), 2
+    tensor_parallel, zero_bubble = sys.modules["tensor_parallel"], sys.modules["zero_bubble"]
+    world = dist.get_world_size()
     pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
     config = load_config(args)
     inputs, targets = make_batch(config, args, device)
@@ -535,9 +556,12 @@ def compare_interleaved(args, device):
     pipeline.check_pipeline_parallel(config, world, chunks)  # a layer at least per chunk
     layers = pipeline.rank_chunks(config.num_hidden_layers, pgm.pp_rank, world, chunks)
 
-    def stage():
+    def stage(split=False):
         with torch.device("meta"):
             model = model_module.LlamaForCausalLM(config)
+            if split:
+                tensor_parallel.apply_tensor_parallel(model, pgm.tp_group)
+                zero_bubble.apply_zero_bubble(model)
             pipeline.keep_stage(model, pgm, chunks)
         model.to_empty(device=device)
         model.init_weights(args.seed)
@@ -560,9 +584,9 @@ def compare_interleaved(args, device):
         def forward(self, x):
             return self.run(x)
 
-    ours = stage()
+    ours = stage(split=engine in pipeline.SPLIT_BACKWARD)
     ours_optimizer = adamw(ours.parameters())
-    actions = pipeline.SCHEDULES["interleaved"](world, m, chunks)[pgm.pp_rank]
+    actions = pipeline.SCHEDULES[engine](world, m, chunks)[pgm.pp_rank]
     gradients = pipeline.gradient_group(pgm)
 
     def ours_step():
@@ -578,9 +602,9 @@ def compare_interleaved(args, device):
         PipelineStage(Chunk(theirs, c), c * world + pgm.pp_rank, world * chunks, device)
         for c in range(chunks)
     ]
-    # ScheduleInterleaved1F1B cuts the batch into m micro-batches itself, sums the micro-batches'
-    # gradients and divides them by m at the end.
-    schedule = ScheduleInterleaved1F1B(torch_stages, m, cross_entropy)
+    # The schedule cuts the batch into m micro-batches itself, sums the micro-batches' gradients
+    # and divides them by m at the end.
+    schedule = schedule_class(torch_stages, m, cross_entropy)
     theirs_optimizer = adamw(theirs.parameters())
 
     def theirs_step():
@@ -593,14 +617,15 @@ def compare_interleaved(args, device):
         theirs_optimizer.step()
         return (sum(losses) / m).detach() if losses else torch.zeros(())
 
-    sides = {"interleaved": ours_step, "ScheduleInterleaved1F1B": theirs_step}
+    theirs_name = schedule_class.__name__
+    sides = {engine: ours_step, theirs_name: theirs_step}
     for step in sides.values():
         step()
     reference = {name: p.grad for name, p in theirs.named_parameters()}
     diff = all_ranks_max(max_grad_difference(ours, reference))
     times, losses = alternate(sides, args, device)
-    part = f"interleaved pipeline, pp {world} x 2 chunks, m {m}"
-    return [row(part, "interleaved", "ScheduleInterleaved1F1B", times, [("grad", diff, 1e-6)])]
+    part = f"{engine} pipeline, pp {world}" + (f" x {chunks} chunks" if chunks > 1 else "")
+    return [row(f"{part}, m {m}", engine, theirs_name, times, [("grad", diff, 1e-6)])]
 
 
 def compare_zero(args, device):
@@ -857,4 +882,4 @@ def compare_cp(args, device):
 ### end Ring attention
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
 PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}
-PARTS |= {"interleaved": compare_interleaved}
+PARTS |= {"interleaved": compare_interleaved, "zb1": compare_zb1}

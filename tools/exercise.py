@@ -251,12 +251,15 @@ def record(report, nodeid):
 
 
 def run_graded(folder, nodes, stop_first=True):
-    """Run `nodes` against `folder` in one pytest; returns ({node id: (outcome, message)}, pytest's
-    exit status, its output). A test that did not run is absent."""
+    """Run `nodes` against `folder` (or a list of copies of different steps) in one pytest;
+    returns ({node id: (outcome, message)}, pytest's exit status, its output). A test that did
+    not run is absent."""
+    folders = [folder] if isinstance(folder, (str, Path)) else folder
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "exercise"]
-        command += ["--step", str(Path(folder).resolve()), *(["-x"] if stop_first else []), *nodes]
+        command += [arg for f in folders for arg in ("--step", str(Path(f).resolve()))]
+        command += [*(["-x"] if stop_first else []), *nodes]
         path = os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path, REPORT: str(report)}
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -451,6 +451,57 @@ SP_GRADED = (
     f"{SP_TESTS}test_sequence_parallel_equals_dtensor",
     f"{SP_TESTS}test_every_layout_trains_like_one_process[sp_tp2_selective]",
 )  # fmt: skip
+# Step 14: the interleaved order, what a schedule holds, ZB-H1's order and the gradients' group
+# of their own; then the backward split: the hand-over, the linear layer's two halves, the
+# embedding's and the norms' weight gradients, and the plan that swaps them in.
+ZB = "zero_bubble.py"
+SCHEDULES_BLANKS = (
+    Blank(PP, "interleaved_1f1b",
+          "every rank's i-th forward: group, place = divmod(i, pp_size x chunks), micro-batch "
+          "group x pp_size + place % pp_size, chunk place // pp_size (the backwards' reversed); "
+          "rank r warms up with min((chunks - 1) pp_size + 2 (pp_size - r - 1), m x chunks), "
+          "then F B, then the B's left"),
+    Blank(PP, "frees",
+          "the kind after which a micro-batch's activations are gone: W where the actions have "
+          "one, else B"),
+    Blank(PP, "held",
+          "the peak of a count that an F adds 1 to and the kind that frees takes 1 from"),
+    Blank(PP, "zero_bubble_h1",
+          "1F1B's warm-up; in the steady state F B, and from rank r's (r + 1)-th on the oldest "
+          "pending W; in the cool-down each B k, a W after it where k >= r; then the W's left"),
+    Blank(PP, "gradient_group",
+          "a new group for every pipeline (group_ranks along pp), made by every rank in the same "
+          "order with pgm's timeout; return this rank's"),
+    Blank(ZB, "hand_over",
+          "outside deferred: torch.autograd.backward(weight, compute()) now; within: append to "
+          "_pending a closure that does it"),
+    Blank(ZB, "Linear.forward",
+          "save x and the detached weight, keep the parameter (out of its tuple) in ctx; "
+          "F.linear"),
+    Blank(ZB, "Linear.backward",
+          "in the gradient's dtype: hand_over the parameter grad_y^T x over the flattened tokens "
+          "(in the weight's dtype); return grad_y W (in x's dtype), None, None"),
+    Blank(ZB, "Lookup.backward",
+          "hand_over the parameter aten.embedding_backward of grad and the ids (the table's rows, "
+          "the padding index or -1, unscaled, dense); no gradient for any input"),
+    Blank(ZB, "Hold.backward",
+          "B computed the weight's gradient: hand_over it to the parameter as it is; None, None"),
+    Blank(ZB, "apply_zero_bubble",
+          "on every tensor-parallel linear layer, linear; on the vocabulary's embedding, lookup; "
+          "each RMSNorm's forward, held_norm_forward around its own; return the model"),
+)  # fmt: skip
+SCHEDULES_TESTS = "tests/test_pipeline_schedules.py::"
+SCHEDULES_GRADED = (
+    *(f"{SCHEDULES_TESTS}test_interleaved_order_is_torchs[{shape}]"
+      for shape in ("pp2-m4-v2", "pp4-m8-v3")),
+    f"{SCHEDULES_TESTS}test_interleaved_holds_its_warm_up[pp4-m8-v2]",
+    *(f"{SCHEDULES_TESTS}test_zb1_order_is_torchs[{shape}]"
+      for shape in ("pp2-m4", "pp4-m2", "pp4-m8")),
+    f"{SCHEDULES_TESTS}test_zb1_holds_what_1f1b_holds_on_its_first_rank[pp4-m8]",
+    *(f"{SCHEDULES_TESTS}test_b_then_w_gives_autograds_gradients[{piece}]"
+      for piece in ("linear", "lookup", "norm", "model")),
+    f"{SCHEDULES_TESTS}test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere",
+)  # fmt: skip
 STEPS = [
     Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
          bench={"model": 1}),
@@ -534,7 +585,7 @@ STEPS = [
                        (*INTERLEAVED, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2),
                       ("zb1_pp2_tp2_sp", 4, (*ZB1, *SP2), 1),
                       ("zb1_pp2_dp2", 4, (*ZB1, *DP2_BUCKETS), 2)),
-         bench={"interleaved": 2}),
+         bench={"interleaved": 2, "zb1": 2}, blanks=SCHEDULES_BLANKS, graded=SCHEDULES_GRADED),
 ]  # fmt: skip
 
 
