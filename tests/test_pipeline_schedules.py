@@ -5,6 +5,7 @@ on a group of their own, and ZB-H1 exactly like 1F1B; a checkpoint of two chunks
 on one process and at 1F1B; what cannot work is refused before the first step."""
 
 import itertools
+import json
 import sys
 import types
 from contextlib import nullcontext
@@ -394,3 +395,34 @@ def test_the_simulator_finds_the_textbook_bubble(p, m, v):
             continue
         chunks = v if engine == "interleaved" else 1
         assert bubble == Fraction(p - 1, chunks * m + p - 1), (engine, text)
+
+
+def test_the_simulator_takes_its_costs_from_a_trace(tmp_path, capsys):
+    """--trace: the medians of a --pp_timeline trace's spans, in quarters of a chunk's forward.
+    F, B and W of 1 ms each give ZB-H1's textbook bubble; without W's, a backward twice the
+    forward gives 1F1B's; a file that is no trace is refused in one line."""
+    import simulate_pipeline
+
+    def trace(name, spans):
+        events = [
+            {"name": f"{kind}{k}", "cat": kind, "ph": "X", "ts": 0, "dur": dur, "pid": 0, "tid": 0}
+            for kind, dur in spans
+            for k in range(8)
+        ]
+        events.append({"name": "other", "cat": "other", "ph": "X", "ts": 0, "dur": 9, "tid": 0})
+        path = tmp_path / name
+        path.write_text(json.dumps({"traceEvents": events}))
+        return str(path)
+
+    zb1 = trace("zb1.json", [("forward", 1000), ("backward", 1000), ("weight gradients", 1000)])
+    args = simulate_pipeline.parse_args(["--engine", "zb1", "--trace", zb1])
+    assert (args.forward, args.backward, args.weight) == (4, 8, 4)
+    assert simulate_pipeline.report("zb1", args)[1] == Fraction(3, 3 * 8 + 3)
+    plain = trace("1f1b.json", [("forward", 1000), ("backward", 2000)])
+    args = simulate_pipeline.parse_args(["--engine", "1f1b", "--trace", plain])
+    assert (args.forward, args.backward) == (4, 8)
+    assert simulate_pipeline.report("1f1b", args)[1] == Fraction(3, 8 + 3)
+    with pytest.raises(SystemExit) as error:
+        simulate_pipeline.parse_args(["--trace", trace("none.json", [])])
+    assert error.value.code == 2
+    assert "no forward or backward spans" in capsys.readouterr().err

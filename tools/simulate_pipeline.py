@@ -5,6 +5,8 @@ fraction (the bubble) and the micro-batches it holds, from unit costs of a forwa
     python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine interleaved \\
         --virtual_stages 2 --forward 1 --backward 2
     python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine zb1 --weight 1
+    python tools/simulate_pipeline.py --pp_size 4 --micro_batches 8 --engine zb1 \\
+        --trace runs/zb1_trace.json
 
 The schedules are step 14's own (`pipeline_parallel.SCHEDULES`), the lists of actions the trainer
 runs. Each rank runs its actions in order, one at a time; an action starts when the rank is free
@@ -19,9 +21,16 @@ micro-batch's number (1, 2, ..., then A, B, ...), a backward's a letter (a for m
 for 2, ...), a W's a star, idle ticks a dot; the chunks of interleaved are not told apart. The
 bubble is the idle share of the step on a rank; the textbook one, (p - 1) / (v m + p - 1), is
 AFAB's and 1F1B's at v = 1; with F, B and W of one unit each, ZB-H1's is (p - 1) / (3 m + p - 1).
+
+`--trace` takes the costs from a `--pp_timeline` trace of a run instead: the medians of its
+forwards, backwards and W's (each a chunk's), in units of a quarter of a chunk's forward (the
+engine, p, m and v still come from the flags). A trace without W's keeps the share of the
+backward that --weight and --backward give it.
 """
 
 import argparse
+import json
+import statistics
 import string
 import sys
 from fractions import Fraction
@@ -42,6 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--forward", type=int, default=1, help="a stage's forward, time units")
     parser.add_argument("--backward", type=int, default=2, help="a stage's backward")
     parser.add_argument("--weight", type=int, default=1, help="W's share of it, for zb1")
+    parser.add_argument("--trace", help="the costs from a --pp_timeline trace (JSON)")
     args = parser.parse_args(argv)
     for name in ["pp_size", "micro_batches", "virtual_stages", "forward", "backward", "weight"]:
         if getattr(args, name) < 1:
@@ -56,7 +66,44 @@ def parse_args(argv=None):
             f"interleaved sends micro-batches in groups of pp_size: --micro_batches "
             f"{args.micro_batches} is not a multiple of --pp_size {args.pp_size}"
         )
+    args.measured = None
+    if args.trace:
+        try:
+            measured_costs(args)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--trace {args.trace}: {error}")
     return args
+
+
+UNITS = 4  # time units in a chunk's forward, when the costs come from a trace
+
+
+def measured_costs(args):
+    """Set --forward, --backward and --weight from the trace's median spans (microseconds)."""
+    events = json.loads(Path(args.trace).read_text())["traceEvents"]
+    spans = {"forward": [], "backward": [], "weight gradients": []}
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in spans:
+            spans[event["cat"]].append(event["dur"])
+    if not spans["forward"] or not spans["backward"]:
+        raise ValueError("no forward or backward spans: not a --pp_timeline trace")
+    f, b = statistics.median(spans["forward"]), statistics.median(spans["backward"])
+    w = statistics.median(spans["weight gradients"]) if spans["weight gradients"] else None
+    v = args.virtual_stages if args.engine == "interleaved" else 1
+    unit = Fraction(f) / (UNITS * v) if f else Fraction(1)  # a stage's forward is v chunks'
+    backward = b + (w or 0)
+    args.forward = UNITS * v
+    args.backward = max(2, round(backward / unit))
+    share = Fraction(w) / Fraction(backward) if w else Fraction(args.weight, args.backward)
+    args.weight = min(max(1, round(args.backward * share)), args.backward - 1)
+    counts = ", ".join(f"{len(found)} {kind}" for kind, found in spans.items())
+    args.measured = (
+        f"costs from {args.trace} (medians of {counts} spans, a chunk's): forward "
+        f"{f / 1000:.1f} ms, backward {b / 1000:.1f} ms"
+        + (f", W {w / 1000:.1f} ms" if w is not None else "")
+        + f"; in units of {float(unit) / 1000:.2f} ms: a stage's forward {args.forward}, "
+        f"backward {args.backward} (W {args.weight})"
+    )
 
 
 def schedules():
@@ -150,6 +197,8 @@ def report(name, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.measured:
+        print(args.measured)
     engines = [args.engine] if args.engine else ["afab", "1f1b"]
     if not args.engine and args.micro_batches % args.pp_size == 0:
         engines.append("interleaved")
