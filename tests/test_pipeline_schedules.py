@@ -2,7 +2,9 @@
 PyTorch's `ScheduleInterleaved1F1B`'s, and of F, B and W its `ScheduleInterleavedZeroBubble`'s;
 what they hold follows the formulas; the layouts train like one process, the gradients going back
 on a group of their own, and ZB-H1 exactly like 1F1B; a checkpoint of two chunks per rank resumes
-on one process and at 1F1B; what cannot work is refused before the first step."""
+on one process, at 1F1B and at ZB-H1; B then W gives autograd's gradients bit for bit; the
+simulator finds the textbook bubbles and reads its costs from a trace; what cannot work is refused
+before the first step."""
 
 import itertools
 import json
@@ -309,8 +311,8 @@ def test_zb1_trains_exactly_like_1f1b(trained, layout):
 
 
 def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
-    """Saved at step 2 by interleaved pp 2 x 2 chunks; steps 3 and 4 on one process and at pp 2
-    with 1F1B (each rank one chunk of two layers) are the interleaved run's."""
+    """Saved at step 2 by interleaved pp 2 x 2 chunks; steps 3 and 4 on one process, and at pp 2
+    with 1F1B and with ZB-H1 (each rank one chunk of two layers), are the interleaved run's."""
     common = [*FOUR, "--max_steps", "4", "--gradient_accumulation_steps", "4"]
     common += ["--eval_every", "0", "--sample_tokens", "0", "--num_proc", "1"]
     save = tmp_path / "interleaved"
@@ -321,6 +323,7 @@ def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
     for name, flags, nproc in [
         ("one", [], 1),
         ("1f1b", ["--pp_size", "2", "--pp_engine", "1f1b"], 2),
+        ("zb1", ["--pp_size", "2", "--pp_engine", "zb1"], 2),
     ]:
         folder = tmp_path / name
         folder.mkdir()
