@@ -20,6 +20,7 @@ sequence parallelism too: B computes the gradient and sums it, W hands it over).
 # B micro-batch, T tokens, D in features, F out features, V vocab (rows of this rank's table)
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -149,11 +150,8 @@ def apply_zero_bubble(model):
             module.linear = linear
         elif isinstance(module, VocabParallelEmbedding):
             module.lookup = lookup
-        elif isinstance(module, RMSNorm):
-            forward = module.forward  # sequence parallelism's, when it is on
-            module.forward = lambda x, norm=module, forward=forward: held_norm_forward(
-                forward, norm, x
-            )
+        elif isinstance(module, RMSNorm):  # around its forward (sequence parallelism's, if on)
+            module.forward = partial(held_norm_forward, module.forward, module)
     assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules()), (
         "every weight is in a layer that can defer its gradient"
     )
