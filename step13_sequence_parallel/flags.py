@@ -171,9 +171,9 @@ def parse(parser, argv, tokens_per_step):
     return args
 
 
-def load_config(args, flag="--model_name"):
+def load_config(args, flag="--model_name", model_types=("llama",)):
     """A LlamaConfig from assets/configs/NAME, a local directory or the hub, named by `flag`,
-    with the overrides."""
+    with the overrides. `model_types`: the transformers model types the step trains."""
     given = name = getattr(args, flag.lstrip("-"))
     if (ASSETS / "configs" / name).is_dir():
         name = str(ASSETS / "configs" / name)
@@ -190,8 +190,11 @@ def load_config(args, flag="--model_name"):
         raise ValueError(
             f"{flag} {given}: could not load the model config: {where}.\n{error}"
         ) from error
-    if config.model_type != "llama":
-        raise ValueError(f"{flag} {given} is a {config.model_type!r} model, not a Llama one")
+    if config.model_type not in model_types:
+        raise ValueError(
+            f"{flag} {given} is a {config.model_type!r} model; this step trains "
+            f"{' and '.join(model_types)} models"
+        )
     for key in OVERRIDES:
         if getattr(args, key) is not None:
             setattr(config, key, getattr(args, key))

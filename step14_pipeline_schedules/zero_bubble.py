@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import RMSNorm
-from tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tensor_parallel import VocabParallelEmbedding
 
 _pending = None  # while `deferred` collects: the list the weight gradients' closures go to
 
@@ -146,13 +146,14 @@ def apply_zero_bubble(model):
     """Every module with a weight defers its weight gradient when the schedule asks: the linear
     layers (lm_head too) and the embedding compute it in W, the norms hand it over in W."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if getattr(module, "linear", None) is F.linear:  # the parallel linears, or any so built
             module.linear = linear
         elif isinstance(module, VocabParallelEmbedding):
             module.lookup = lookup
         elif isinstance(module, RMSNorm):  # around its forward (sequence parallelism's, if on)
             module.forward = partial(held_norm_forward, module.forward, module)
-    assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules()), (
+    dense = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Embedding)]
+    assert all(getattr(m, "linear", None) is linear for m in dense), (
         "every weight is in a layer that can defer its gradient"
     )
     return model

@@ -21,6 +21,8 @@ the wire under the ring algorithms of NCCL and gloo, n ranks in the group:
     broadcast        (n-1)/n x bytes: along a chain every rank but the last passes the tensor
                      on, n-1 copies in all; the average per rank
     send             bytes; recv sends nothing
+    all-to-all       bytes less this rank's own piece, which stays (the pieces may differ in
+                     size, each as the call says)
 
 So a group of one rank sends nothing: its calls are listed, with 0 sent. A send or receive
 addressed by global rank (on the default group) is listed under the axis that joins the two
@@ -47,9 +49,10 @@ CALLS = {
     "isend": ("send", "tensor"),
     "recv": ("recv", "tensor"),
     "irecv": ("recv", "tensor"),
+    "all_to_all_single": ("all-to-all", "input"),
 }
 AXES = ["tp", "pp", "dp"]  # the grid's axes, fastest first: their rows come first, in this order
-KINDS = ["all-reduce", "reduce-scatter", "all-gather", "broadcast", "send", "recv"]  # row order
+KINDS = ["all-reduce", "reduce-scatter", "all-gather", "broadcast", "send", "recv", "all-to-all"]
 
 
 def sent_fraction(kind, n):
@@ -62,6 +65,16 @@ def sent_fraction(kind, n):
         "send": 1,
         "recv": 0,
     }[kind]
+
+
+def kept(call, size):
+    """Of an all-to-all's input (`size` bytes), the bytes of the piece this rank sends itself."""
+    group = call.get("group")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    splits = call.get("input_split_sizes")
+    if not splits:  # equal pieces
+        return size // n
+    return size * splits[rank] // max(sum(splits), 1)
 
 
 def nbytes(tensors):
@@ -120,7 +133,9 @@ class CommStats:
         def recorded(*args, **kwargs):
             call = signature.bind(*args, **kwargs).arguments
             peer = call.get("dst", call.get("src"))  # a global rank, for send and receive
-            self.record(kind, call.get("group"), nbytes(call[argument]), peer)
+            size = nbytes(call[argument])
+            mine = kept(call, size) if kind == "all-to-all" else 0
+            self.record(kind, call.get("group"), size, peer, mine)
             return function(*args, **kwargs)
 
         return recorded
@@ -135,12 +150,14 @@ class CommStats:
 
         return recorded
 
-    def record(self, kind, group, size, peer=None):
+    def record(self, kind, group, size, peer=None, kept=0):
+        """`kept`: of an all-to-all's bytes, those of this rank's own piece."""
         name, group = self.name(group, peer)
-        row = self.rows.setdefault((name, kind), {"size": 0, "calls": 0, "bytes": 0})
+        row = self.rows.setdefault((name, kind), {"size": 0, "calls": 0, "bytes": 0, "kept": 0})
         row["size"] = dist.get_world_size(group)
         row["calls"] += 1
         row["bytes"] += size
+        row["kept"] += kept
 
     def name(self, group, peer):
         """(the row's name, its group) for a call on `group`, `peer` its global peer rank."""
@@ -165,7 +182,10 @@ class CommStats:
 
         out = {}
         for (name, kind), row in sorted(self.rows.items(), key=lambda item: order(item[0])):
-            sent = round(row["bytes"] * sent_fraction(kind, row["size"]))
+            if kind == "all-to-all":
+                sent = row["bytes"] - row["kept"]
+            else:
+                sent = round(row["bytes"] * sent_fraction(kind, row["size"]))
             out.setdefault(name, {})[kind] = {
                 "calls": row["calls"],
                 "bytes": row["bytes"],

@@ -130,7 +130,11 @@ CASES = [
         "--model_name {tmp}/no_config",
         "--model_name {tmp}/no_config: could not load the model config: the folder has no valid",
     ),
-    (S3, "--model_name {tmp}/gpt2", "--model_name {tmp}/gpt2 is a 'gpt2' model, not a Llama one"),
+    (
+        S3,
+        "--model_name {tmp}/gpt2",
+        "--model_name {tmp}/gpt2 is a 'gpt2' model; this step trains llama models",
+    ),
     (S3, "--learning_rate inf", "--learning_rate must be finite, got inf"),
     (
         S3,

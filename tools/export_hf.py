@@ -1,4 +1,4 @@
-"""Export a pico3d checkpoint of any parallel layout as a transformers Llama folder.
+"""Export a pico3d checkpoint of any parallel layout as a transformers Llama (or Mixtral) folder.
 
 A checkpoint folder holds one safetensors file per shard of the model:
 
@@ -260,9 +260,7 @@ def short_list(items, limit=8):
 
 def check_complete(state_dict, config, where):
     """Every key the config implies, with its shape, and no other key."""
-    with torch.device("meta"):  # shapes only, no memory
-        reference = LlamaForCausalLM(config).state_dict()
-    expected = {key: tensor.shape for key, tensor in reference.items()}
+    expected = expected_shapes(config)
     if config.tie_word_embeddings:
         del expected[LM_HEAD]
     missing = [key for key in expected if key not in state_dict]
@@ -281,10 +279,32 @@ def check_complete(state_dict, config, where):
         )
 
 
+def expected_shapes(config):
+    """{key: shape} of every tensor a transformers checkpoint of `config` holds. A Mixtral
+    (step 15's mixture of experts) has, in place of each layer's MLP, block_sparse_moe's router
+    `gate` and each expert's w1, w3, w2 (an MLP's gate_proj, up_proj, down_proj)."""
+    with torch.device("meta"):  # shapes only, no memory
+        reference = LlamaForCausalLM(config).state_dict()
+    expected = {key: tensor.shape for key, tensor in reference.items()}
+    if config.model_type != "mixtral":
+        return expected
+    D, F, E = config.hidden_size, config.intermediate_size, config.num_local_experts
+    expected = {key: shape for key, shape in expected.items() if ".mlp." not in key}
+    for i in range(config.num_hidden_layers):
+        moe = f"model.layers.{i}.block_sparse_moe"
+        expected[f"{moe}.gate.weight"] = torch.Size([E, D])
+        for e in range(E):
+            for w, shape in [("w1", [F, D]), ("w3", [F, D]), ("w2", [D, F])]:
+                expected[f"{moe}.experts.{e}.{w}.weight"] = torch.Size(shape)
+    return expected
+
+
 def read_config(folder):
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    if config.model_type != "llama":
-        raise ValueError(f"{folder} holds a {config.model_type!r} model, not a Llama one")
+    if config.model_type not in ("llama", "mixtral"):
+        raise ValueError(
+            f"{folder} holds a {config.model_type!r} model, not a Llama or Mixtral one"
+        )
     return config
 
 
@@ -375,7 +395,8 @@ def resolve_tokenizer(name):
 
 
 def export(checkpoint, out_dir, config=None, dtype=torch.float32, tokenizer=None):
-    """Write `checkpoint` as a folder that LlamaForCausalLM.from_pretrained loads: config.json,
+    """Write `checkpoint` as a folder that LlamaForCausalLM.from_pretrained loads (or
+    MixtralForCausalLM, for a mixture of experts): config.json,
     model.safetensors and, if `tokenizer` names one, the tokenizer's files."""
     folder, out_dir = resolve_checkpoint(checkpoint), Path(out_dir)
     if out_dir.resolve() == folder.resolve():
@@ -383,7 +404,8 @@ def export(checkpoint, out_dir, config=None, dtype=torch.float32, tokenizer=None
     tokenizer = resolve_tokenizer(tokenizer) if tokenizer else None
     state_dict, config = load_merged_state_dict(folder, config)
     config = copy.deepcopy(config)  # the caller's config stays as it was
-    config.architectures = ["LlamaForCausalLM"]
+    moe = config.model_type == "mixtral"
+    config.architectures = ["MixtralForCausalLM" if moe else "LlamaForCausalLM"]
     config.dtype = dtype
     tensors = {key: tensor.to(dtype).contiguous() for key, tensor in state_dict.items()}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,8 @@ ZERO3 = ("--zero_stage", "3")
 SP2 = ("--tp_size", "2", "--sequence_parallel")
 INTERLEAVED = ("--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_stages", "2")
 ZB1 = ("--pp_size", "2", "--pp_engine", "zb1")
+MOE = ("--model_name", "tiny-moe")
+EP2 = ("--ep_size", "2")
 # Step 4: f and g first, each with the layer that uses it; then the vocabulary's two layers, the
 # gather of the logits, and the plan that puts them all in the model.
 TP = "tensor_parallel.py"
@@ -487,8 +489,9 @@ SCHEDULES_BLANKS = (
     Blank(ZB, "Hold.backward",
           "B computed the weight's gradient: hand_over it to the parameter as it is; None, None"),
     Blank(ZB, "apply_zero_bubble",
-          "on every tensor-parallel linear layer, linear; on the vocabulary's embedding, lookup; "
-          "each RMSNorm's forward, held_norm_forward around its own; return the model"),
+          "on every layer whose `linear` is F.linear (the tensor-parallel ones), linear; on the "
+          "vocabulary's embedding, lookup; each RMSNorm's forward, held_norm_forward around its "
+          "own; check that no nn.Linear is left without; return the model"),
 )  # fmt: skip
 SCHEDULES_TESTS = "tests/test_pipeline_schedules.py::"
 SCHEDULES_GRADED = (
@@ -514,7 +517,7 @@ STEPS = [
          ("utils.py", "flags.py", "bookkeeping.py"), memory={}),
     Step("step4_tensor_parallel",
          ("tensor_parallel.py", "placement.py", "checkpoint.py", "train.py", "README.md"),
-         ("placement.py",),
+         (),
          convergence=(("tp2", 2, ("--tp_size", "2"), 1),), memory={"tp": 2}, bench={"tp": 2},
          blanks=TP_BLANKS, graded=TP_GRADED),
     Step("step5_data_parallel_naive",
@@ -557,7 +560,7 @@ STEPS = [
                        ("--cp_size", "2", *PP2, "1f1b", "--dp_size", "2", "--bucket_size_mb",
                         "0.05"), 2)),
          memory={"cp": 2}, bench={"cp": 2}, blanks=CP_BLANKS, graded=CP_GRADED),
-    Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"), ("zero.py",),
+    Step("step12_zero3", ("fully_sharded.py", "zero.py", "train.py", "README.md"), (),
          convergence=(("zero2_dp2", 2, (*DP2_BUCKETS, "--zero_stage", "2"), 2),
                       ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
                       ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
@@ -586,6 +589,21 @@ STEPS = [
                       ("zb1_pp2_tp2_sp", 4, (*ZB1, *SP2), 1),
                       ("zb1_pp2_dp2", 4, (*ZB1, *DP2_BUCKETS), 2)),
          bench={"interleaved": 2, "zb1": 2}, blanks=SCHEDULES_BLANKS, graded=SCHEDULES_GRADED),
+    # Trained against step 15 itself on one process, with the same experts (tiny-moe).
+    Step("step15_expert_parallel",
+         ("moe.py", "expert_parallel.py", "process_group_manager.py", "placement.py",
+          "checkpoint.py", "zero.py", "train.py", "README.md"),
+         ("moe.py", "expert_parallel.py", "process_group_manager.py", "placement.py",
+          "checkpoint.py", "zero.py"),
+         convergence=(("ep2_dp2", 2, (*MOE, *DP2_BUCKETS, *EP2), 2),
+                      ("ep2_dp4", 4, (*MOE, "--dp_size", "4", "--bucket_size_mb", "0.05", *EP2),
+                       4),
+                      ("ep2_dp2_tp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--tp_size", "2"), 2),
+                      ("ep2_dp2_pp2", 4, (*MOE, *DP2_BUCKETS, *EP2, *PP2, "1f1b"), 2),
+                      ("ep2_dp2_pp2_zb1_full", 4,
+                       (*MOE, *DP2_BUCKETS, *EP2, *ZB1, "--recompute", "full"), 2),
+                      ("ep2_dp2_zero2", 2, (*MOE, *DP2_BUCKETS, *EP2, "--zero_stage", "2"), 2),
+                      ("moe_dp2_zero3", 2, (*MOE, "--dp_size", "2", *ZERO3), 2))),
 ]  # fmt: skip
 
 

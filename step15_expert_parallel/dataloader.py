@@ -1,0 +1,202 @@
+"""Real data: a text dataset tokenised, cut into fixed-length rows and served in micro-batches.
+
+Every document's tokens are followed by the end-of-text token and concatenated, then cut into rows
+of T + 1 tokens: the inputs are the first T, the targets the last T (the same row shifted by one),
+so every position predicts the next token. The rows are served in a shuffled order that depends on
+the seed and the epoch only, so a run is reproducible and can resume from a position.
+
+Under data parallelism the ranks read the same stream of micro-batches and each takes its own:
+the k-th micro-batch of dp rank r is micro-batch k * dp_size + r of the stream. Together the ranks
+see exactly what one process sees with dp_size times the accumulation, each row once.
+
+Under context parallelism the cp ranks of a dp rank read the same rows, and each keeps its two
+chunks of every row's inputs and targets (context_parallel.split_sequence).
+"""
+
+# B micro-batch size, T tokens per row
+
+import json
+from pathlib import Path
+
+import torch
+from datasets import DatasetDict, load_dataset
+from transformers import AutoTokenizer
+
+from context_parallel import split_sequence
+from flags import ASSETS
+from utils import log
+
+
+def resolve(name, kind):
+    """A local path, a name in assets/KIND (the offline defaults), or else a hub id."""
+    if Path(name).exists():
+        return str(name)
+    if (ASSETS / kind / name).exists():
+        return str(ASSETS / kind / name)
+    return name
+
+
+def offline_hint(what, name, default, error):
+    return ValueError(
+        f"could not load the {what} {name!r}: it is not a local path, and the Hugging Face hub "
+        f"could not be reached or has no such {what}. The offline default is {default!r} "
+        f"(in assets/).\n{type(error).__name__}: {error}"
+    )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holds one or both
+
+
+def load_tokenizer(name):
+    path = resolve(name, "tokenizers")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        if Path(path).is_dir():  # the folder is there: one of its files is what is wrong
+            message = f"could not load the tokenizer {name!r}: {broken_file(path, error)}"
+            raise ValueError(message) from error
+        raise offline_hint("tokenizer", name, "tinytales", error) from error
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer {name!r} has no end-of-text token to separate documents")
+    return tokenizer
+
+
+def broken_file(folder, error):
+    """What is wrong in a tokenizer folder: no tokenizer files, or which of its JSON files cannot
+    be parsed, and the parser's words."""
+    if not any((Path(folder) / file).exists() for file in TOKENIZER_FILES):
+        return f"{folder} holds no tokenizer: none of {', '.join(TOKENIZER_FILES)}"
+    for file in sorted(Path(folder).glob("*.json")):
+        try:
+            json.loads(file.read_text())
+        except (ValueError, UnicodeDecodeError) as parse_error:
+            return f"{file} is not valid JSON ({parse_error})"
+    return f"its files in {folder} cannot be read as a tokenizer ({type(error).__name__}: {error})"
+
+
+def load_splits(name, seed, text_column="text"):
+    """The train and validation splits; 1 % of train is held out when there is no validation."""
+    path = resolve(name, "datasets")
+    try:
+        splits = load_dataset(path)
+    except Exception as error:  # datasets raises many kinds of error for an unreachable hub
+        if Path(path).exists():  # the path is there: what it holds is what is wrong
+            cause = error.__cause__  # datasets' own words are often vague; the cause's are not
+            why = f"{type(error).__name__}: {error}"
+            why += f"; {type(cause).__name__}: {cause}" if cause else ""
+            raise ValueError(f"could not load the dataset {name!r} from {path} ({why})") from error
+        raise offline_hint("dataset", name, "tinytales", error) from error
+    if "validation" not in splits:
+        held_out = splits["train"].train_test_split(test_size=0.01, seed=seed)
+        splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    if text_column not in splits["train"].column_names:
+        raise ValueError(f"dataset {name!r} has no {text_column!r} column")
+    return splits["train"], splits["validation"]
+
+
+def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
+    """Rows of T + 1 token ids: documents joined by end-of-text, cut into equal lengths."""
+    eos, row = tokenizer.eos_token_id, seq_len + 1
+
+    def to_rows(batch, num_proc):  # num_proc: only for the cache key, below
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        stream = [token for doc in ids for token in [*doc, eos]]
+        # The last partial row of every batch of documents is dropped: under one row per batch.
+        return {"tokens": [stream[i : i + row] for i in range(0, len(stream) - row + 1, row)]}
+
+    rows = dataset.map(
+        to_rows,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc if num_proc > 1 else None,
+        # Each process cuts its own share of the documents into batches, so where rows are
+        # dropped depends on num_proc; datasets leaves num_proc out of the key of its cache, and
+        # would serve one num_proc's rows to another. As an argument of to_rows it is in the key.
+        fn_kwargs={"num_proc": num_proc},
+        remove_columns=dataset.column_names,
+        desc=f"tokenising into rows of {row}",
+    )
+    if len(rows) == 0:
+        raise ValueError(f"the dataset is too small for one row of seq_len + 1 = {row} tokens")
+    return rows.with_format("torch")
+
+
+def load_data(args, vocab_size):
+    """--tokenizer_name, and --dataset_name's training and validation splits in rows of
+    --seq_len + 1 tokens."""
+    tokenizer = load_tokenizer(args.tokenizer_name)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
+        )
+    train, validation = load_splits(args.dataset_name, args.seed)
+    train = tokenize(train, tokenizer, args.seq_len, args.num_proc)
+    validation = tokenize(validation, tokenizer, args.seq_len, args.num_proc)
+    log(f"data {args.dataset_name}: {len(train):,} training rows, {len(validation):,} validation")
+    return tokenizer, train, validation
+
+
+class MicroBatchDataLoader:
+    """Serves (inputs, targets) micro-batches of B rows, forever: after the last row of an epoch
+    it starts a new epoch in a new shuffled order instead of stopping."""
+
+    def __init__(
+        self,
+        rows,
+        micro_batch_size,
+        seed,
+        device,
+        shuffle=True,
+        dp_rank=0,
+        dp_size=1,
+        cp_rank=0,
+        cp_size=1,
+    ):
+        self.rows, self.micro_batch_size = rows, micro_batch_size
+        self.seed, self.device, self.shuffle = seed, device, shuffle
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.position = 0  # rows served so far to all dp ranks, over all epochs
+        self._order = (None, None)  # (epoch, permutation), the one epoch cached
+
+    def order(self, epoch):
+        if self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 10_007 + epoch)
+            perm = torch.randperm(len(self.rows), generator=generator)
+            self._order = (epoch, perm if self.shuffle else torch.arange(len(self.rows)))
+        return self._order[1]
+
+    @property
+    def epoch(self):
+        return self.position // len(self.rows)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        indices = []
+        first = self.position + self.dp_rank * self.micro_batch_size  # skip lower dp ranks' rows
+        for position in range(first, first + self.micro_batch_size):
+            epoch, i = divmod(position, len(self.rows))
+            indices.append(self.order(epoch)[i].item())
+        self.position += self.dp_size * self.micro_batch_size
+        tokens = self.rows[indices]["tokens"].to(self.device)  # (B, T+1)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T)
+        # This cp rank's chunks of both, (B, T / cp): each target stays beside its input token.
+        return tuple(split_sequence(x, self.cp_rank, self.cp_size) for x in (inputs, targets))
+
+    def state_dict(self):
+        return {"position": self.position, "rows": len(self.rows)}
+
+    def load_state_dict(self, state):
+        """Go on from `position`. From data cut into another number of rows (another
+        --dataset_name or --seq_len) that is another place in another order: said once."""
+        rows = state.get("rows", len(self.rows))  # a rewind to position 0 gives none
+        if rows != len(self.rows):
+            log(
+                f"warning: the checkpoint's data had {rows:,} rows and this run's has "
+                f"{len(self.rows):,} (another --dataset_name or --seq_len): training goes on "
+                f"from row {state['position']:,} of this run's order, not where the checkpoint's "
+                f"data stopped"
+            )
+        self.position = state["position"]

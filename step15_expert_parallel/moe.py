@@ -1,0 +1,263 @@
+"""A mixture of experts in place of each layer's MLP (Mixtral's), put in from outside the model.
+
+A dense layer runs every token through one MLP. A mixture-of-experts layer holds E MLPs, the
+experts, and a router, a linear layer that scores each token against each expert: the token goes
+through its k best experts only, and their outputs are summed, weighted by the router. The layer
+then has E times the MLP's parameters but computes with k of them per token: more to learn from
+for the same compute per token.
+
+Mixtral's routing, as transformers' MixtralForCausalLM computes it: the router's logits in fp32,
+softmax over the E experts, the top k, their probabilities divided by their sum (the weights);
+each expert is our LlamaMLP (transformers' w1, w3, w2 are its gate_proj, up_proj, down_proj).
+With k = 1 the one weight is always 1.0 and the router would get no gradient: refused.
+
+The computation groups the token copies by expert (a stable sort of the N k (token, slot) pairs
+by their expert), runs each expert once on its rows, and puts the rows back in slot order. The
+step in the middle, `exchange`, is where expert parallelism (expert_parallel.py) sends the rows
+to the rank that holds their expert and back.
+
+Two losses keep the router healthy, both added to the training loss:
+- load balancing (Switch Transformer's): E sum_e f_e P_e, f_e the share of the sequence's token
+  slots sent to expert e (summing to k) and P_e the mean router probability of e over the
+  sequence; smallest when the load is even. Computed per sequence and layer, then averaged: a
+  mean of per-sequence terms is linear in the sequences, so the dp ranks, micro-batches and
+  pipeline stages each add their share and the sum is one device's. (transformers pools the
+  whole batch and every layer into one f and one P: not a sum over sequences, so no rank could
+  compute its share of it.)
+- the router z-loss (ST-MoE's): the mean of logsumexp(router logits)^2 over the tokens, which
+  keeps the logits small.
+
+The losses leave the layer without a new output: each is attached to the layer's output by
+`AttachLoss`, identity forward, whose backward also gives the loss its gradient. Whatever stage
+the layer runs on, the backward that reaches its output starts the losses' own.
+"""
+
+# B batch, T tokens, D hidden, E experts, k experts per token, N = B T token rows
+
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from model import LlamaMLP
+
+MODEL_TYPES = ("llama", "mixtral")  # the configs this step trains: Mixtral, a Llama with experts
+
+
+def mixtral_name(name):
+    """A parameter's name in a transformers Mixtral checkpoint: the layer's `mlp` is its
+    `block_sparse_moe`, an expert's gate_proj, up_proj and down_proj its w1, w3 and w2."""
+    name = re.sub(r"\.mlp\.(gate|experts)\.", r".block_sparse_moe.\1.", name)
+    return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.{W[m[2]]}", name)
+
+
+W = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def is_moe(config):
+    return getattr(config, "num_local_experts", 0) > 0
+
+
+def check_moe(config, args):
+    """Refuse, naming the field or flag, a mixture of experts this step would not compute as
+    Mixtral does, or cannot split as asked."""
+    ep = args.ep_size
+    if not is_moe(config):
+        if ep > 1:
+            raise ValueError(
+                f"--ep_size {ep} splits the experts of a mixture-of-experts model; this one is "
+                f"dense (no num_local_experts): use --ep_size 1, or --model_name tiny-moe"
+            )
+        return
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    if not 2 <= k <= E:
+        why = "its one weight is 1.0, so the router gets no gradient" if k == 1 else "too many"
+        raise ValueError(
+            f"num_experts_per_tok={k} is not supported ({why}): use 2 to num_local_experts={E}"
+        )
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError(
+            f"router_jitter_noise={config.router_jitter_noise} is not supported: the router "
+            f"draws no random numbers here; set it to 0.0"
+        )
+    if E % ep:
+        raise ValueError(f"--ep_size {ep} does not divide num_local_experts={E}")
+    for flag, on in [
+        ("--cp_size", args.cp_size > 1),
+        ("--sequence_parallel", args.sequence_parallel),
+    ]:
+        if on:
+            raise ValueError(
+                f"a mixture of experts with {flag} is not built yet: the load-balancing loss "
+                f"needs each sequence's counts whole; drop {flag}"
+            )
+
+
+class AttachLoss(torch.autograd.Function):
+    """y, with `loss` riding on it: forward returns y; backward passes y's gradient on and gives
+    `loss` the gradient 1, so that it is minimised with whatever loss y leads to. Backward also
+    adds (the loss, `counts`) to the list `record`, for the log: once per micro-batch, where a
+    forward run again by recomputation would count twice."""
+
+    @staticmethod
+    def forward(ctx, y, loss, counts, record):
+        ctx.facts, ctx.record = (loss.detach(), counts.detach()), record
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record.append(ctx.facts)
+        return grad, torch.ones_like(ctx.facts[0]), None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose matmul is `self.linear`: a zero-bubble schedule swaps in one
+    whose weight gradient waits (zero_bubble.py), as in the tensor-parallel layers."""
+
+    linear = staticmethod(F.linear)
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        return self.linear(x, self.weight)
+
+
+def expert(config):
+    """Our LlamaMLP, its three linear layers `Linear`s."""
+    mlp = LlamaMLP(config)
+    for name, dense in list(mlp.named_children()):
+        setattr(mlp, name, Linear(dense.in_features, dense.out_features))
+    return mlp
+
+
+def run_experts(experts, rows, counts):
+    """Each expert on its own rows: `rows` grouped by expert, counts[i] of them for the i-th of
+    `experts` (a ModuleDict, in expert order)."""
+    parts = rows.split(counts)
+    outputs = [expert(part) for expert, part in zip(experts.values(), parts, strict=True)]
+    return torch.cat(outputs)  # (rows, D)
+
+
+def exchange_locally(moe, rows, counts):
+    """One rank holds every expert: nothing to send."""
+    return run_experts(moe.experts, rows, counts.tolist())
+
+
+class MixtureOfExperts(nn.Module):
+    """The router (`gate`, as Mixtral names it) and the experts this rank holds, keyed by their
+    index in the layer (`experts`: all E on one rank), so that their names are the single-device
+    model's."""
+
+    def __init__(self, config, experts):
+        super().__init__()
+        D, E = config.hidden_size, config.num_local_experts
+        self.num_experts, self.top_k = E, config.num_experts_per_tok
+        self.gate = Linear(D, E)
+        self.experts = nn.ModuleDict({str(e): expert(config) for e in experts})
+        self.exchange = exchange_locally  # expert parallelism: across the ep ranks
+        # Set by the run: the losses' coefficients, and the scale of their gradient (one over the
+        # micro-batches of a step, like the loss's).
+        self.aux_loss_coef, self.z_loss_coef, self.scale = 0.0, 0.0, 1.0
+        self.record = []  # (router losses, rows per expert) of each micro-batch, for the log
+
+    def forward(self, x):
+        B, T, D = x.shape
+        logits = self.gate(x).float()  # (B, T, E)
+        probs = logits.softmax(dim=-1)  # (B, T, E)
+        top, index = probs.topk(self.top_k, dim=-1)  # (B, T, k)
+        weights = top / top.sum(dim=-1, keepdim=True)  # (B, T, k)
+        experts = index.view(-1)  # (N k,): slot j of token n at n k + j
+        order = experts.argsort(stable=True)  # the slots, grouped by expert
+        counts = torch.bincount(experts, minlength=self.num_experts)  # (E,)
+        rows = x.reshape(-1, D)[order // self.top_k]  # (N k, D): each slot's token
+        out = self.exchange(self, rows, counts)  # (N k, D): each through its expert
+        out = out[order.argsort()].view(B * T, self.top_k, D)  # back in slot order
+        y = (out * weights.view(B * T, self.top_k, 1)).sum(dim=1)  # (N, D), summed slot by slot
+        y = y.to(x.dtype).view(B, T, D)
+        if torch.is_grad_enabled():
+            losses = self.scale * self.router_losses(logits, probs, index)
+            y = AttachLoss.apply(y, losses, counts, self.record)
+        return y
+
+    def router_losses(self, logits, probs, index):
+        """aux_loss_coef x the load-balancing loss + z_loss_coef x the z-loss, each a mean over
+        the sequences of a per-sequence term."""
+        B, T, E = probs.shape
+        slots = torch.zeros(B, E, device=probs.device)  # (B, E): token slots per expert
+        slots.scatter_add_(1, index.view(B, -1), torch.ones(B, T * self.top_k, device=slots.device))
+        balance = E * (slots / T * probs.mean(dim=1)).sum(dim=-1)  # (B,)
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean(dim=1)  # (B,)
+        return (self.aux_loss_coef * balance + self.z_loss_coef * z).mean()
+
+
+def apply_moe(model, experts=None):
+    """Put a MixtureOfExperts in place of every layer's MLP, holding the experts `experts` (all by
+    default). Call it on the meta device, before the weights exist. Under tensor parallelism the
+    experts are not split: every tp rank runs the whole layer on the same tokens, so the norm
+    before it must not sum their input gradients over tp (its f, tensor_parallel.py)."""
+    config = model.config
+    experts = range(config.num_local_experts) if experts is None else experts
+    for layer in model.model.layers:
+        layer.mlp = MixtureOfExperts(config, experts)
+        if hasattr(layer.post_attention_layernorm, "f"):
+            layer.post_attention_layernorm.f = Whole
+    return model
+
+
+class Whole:
+    """f for an input that no tp rank splits: nothing to do either way."""
+
+    @staticmethod
+    def apply(x, group):
+        return x
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+
+
+def set_router_losses(model, args, scale):
+    """The losses' coefficients (the config's router_aux_loss_coef unless --aux_loss_coef says
+    otherwise) and the scale of their gradients, in every MoE layer of `model`."""
+    aux = args.aux_loss_coef
+    if aux is None:
+        aux = getattr(model.config, "router_aux_loss_coef", 0.0)
+    for moe in moe_layers(model):
+        moe.aux_loss_coef, moe.z_loss_coef, moe.scale = aux, args.z_loss_coef, scale
+
+
+def router_stats(model, pgm):
+    """For the step's record, from what each MoE layer recorded in the step's backwards: the
+    router's losses (their mean over the micro-batches and the dp x cp ranks, summed over the
+    layers of every stage), and each layer's rows per expert, over the whole batch, with the
+    busiest expert's load over the mean (1.0: even)."""
+    config = model.config
+    loads = torch.zeros(config.num_hidden_layers, config.num_local_experts)
+    losses = torch.zeros(())
+    for name, moe in model.named_modules():
+        if isinstance(moe, MixtureOfExperts):
+            layer = int(name.split(".")[2])  # model.layers.3.mlp
+            for loss, counts in moe.record:
+                losses += loss.cpu()
+                loads[layer] += counts.cpu()
+            moe.record.clear()
+    device = next(model.parameters()).device
+    both = torch.cat([losses.view(1), loads.view(-1)]).to(device)
+    dist.all_reduce(both, group=pgm.pp_group)  # each stage its layers
+    dist.all_reduce(both, group=pgm.dp_cp_group)  # each replica its share of the batch
+    loss, loads = both[0].item() / (pgm.dp_size * pgm.cp_size), both[1:].view_as(loads).cpu()
+    balance = (loads.max(dim=1).values / loads.mean(dim=1)).tolist()
+    return {"router_loss": loss, "expert_load": loads.tolist(), "load_max_over_mean": balance}
+
+
+def active_flops_per_token(config, dense_flops):
+    """`dense_flops` (utils.flops_per_token, one MLP per layer) with each layer's MLP counted k
+    times and its router once: the FLOPs a token costs."""
+    if not is_moe(config):
+        return dense_flops
+    D, F, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    k, E = config.num_experts_per_tok, config.num_local_experts
+    return dense_flops + 6 * L * ((k - 1) * 3 * D * F + D * E)

@@ -1,0 +1,370 @@
+"""Step 15: a mixture of experts and expert parallelism. The MoE model against transformers'
+Mixtral (logits, loss, the load-balancing loss; a checkpoint both ways); the router's losses
+linear in the sequences, where transformers' pooled one is not; the all-to-all exchange against
+one rank, forward and backward, and the bugs it guards against; the layouts train like the same
+MoE on one process, and the bugs injected there fail; what cannot work is refused."""
+
+import json
+import sys
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from conftest import ROOT, TINY, check, import_step, run_step, spawn
+
+sys.path.insert(0, str(ROOT / "tools"))
+import convergence  # noqa: E402
+import export_hf  # noqa: E402
+
+S15 = "step15_expert_parallel"
+moe_lib = import_step(S15, "moe")
+model_lib = import_step(S15, "model")
+hf_import = import_step(S15, "hf_import")
+
+
+def mixtral_config(**extra):
+    return transformers.MixtralConfig(
+        **{
+            "vocab_size": 101,
+            "hidden_size": 64,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            **extra,
+        }
+    )
+
+
+def ours_from(reference):
+    """Our MoE model with the weights of transformers' Mixtral `reference` (which holds each
+    layer's experts fused: gate_up_proj (E, 2F, D), down_proj (E, D, F))."""
+    config = reference.config
+    model = model_lib.LlamaForCausalLM(config)
+    moe_lib.apply_moe(model)
+    state, F_ = {}, config.intermediate_size
+    for key, value in reference.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            for e in range(config.num_local_experts):
+                state[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = value[e, :F_]
+                state[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = value[e, F_:]
+        elif key.endswith("experts.down_proj"):
+            for e in range(config.num_local_experts):
+                state[key.replace("down_proj", f"{e}.down_proj.weight")] = value[e]
+        else:
+            state[key] = value
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def router_inputs(model, ids):
+    """The first layer's router inputs, for `ids`: the post-attention norm's output."""
+    x = model.model.embed_tokens(ids)
+    layer = model.model.layers[0]
+    x = x + layer.self_attn(layer.input_layernorm(x))
+    return layer.post_attention_layernorm(x)
+
+
+def balance_loss(model, ids):
+    """Our first layer's load-balancing loss alone (coefficient 1, no z-loss), and its logits."""
+    moe = model.model.layers[0].mlp
+    moe.aux_loss_coef, moe.z_loss_coef = 1.0, 0.0
+    logits = moe.gate(router_inputs(model, ids)).float()
+    probs = logits.softmax(dim=-1)
+    index = probs.topk(moe.top_k, dim=-1).indices
+    return moe.router_losses(logits, probs, index), logits
+
+
+def test_logits_and_losses_equal_transformers_mixtral():
+    torch.manual_seed(0)
+    reference = transformers.MixtralForCausalLM(mixtral_config()).eval()
+    model = ours_from(reference)
+    ids = torch.randint(0, 101, (3, 17))
+    expected = reference(ids, labels=ids)
+    logits = model(ids)
+    # Each expert's gate and up are one fused matmul in transformers, two here: the sums agree
+    # to the last bits (2.4e-8 apart on this config), not bit for bit.
+    torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-6)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-6, atol=0)
+    # One layer and one sequence: transformers' pooled load-balancing loss is ours.
+    one = transformers.MixtralForCausalLM(mixtral_config(num_hidden_layers=1)).eval()
+    mine = ours_from(one)
+    for row in ids:
+        ours, _ = balance_loss(mine, row[None])
+        theirs = one(row[None], output_router_logits=True).aux_loss
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_router_losses_are_means_of_per_sequence_terms_and_transformers_is_not():
+    """Ours over 4 sequences is the mean of ours over each: what dp ranks, micro-batches and
+    stages add up. transformers pools the batch's counts and probabilities: over the same 4
+    sequences its loss is not the mean of its per-sequence losses, so no rank could add its
+    share."""
+    torch.manual_seed(1)
+    one = transformers.MixtralForCausalLM(mixtral_config(num_hidden_layers=1)).eval()
+    model = ours_from(one)
+    ids = torch.randint(0, 101, (4, 17))
+    ours, logits = balance_loss(model, ids)
+    alone = torch.stack([balance_loss(model, row[None])[0] for row in ids])
+    torch.testing.assert_close(ours, alone.mean(), rtol=1e-6, atol=0)
+    pooled = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func
+    theirs = pooled((logits.view(-1, 4),), 4, 2)
+    theirs_alone = torch.stack([pooled((logits[b],), 4, 2) for b in range(4)])
+    gap = (theirs - theirs_alone.mean()).abs().item()
+    print(f"\npooled {theirs.item():.6f}, mean of per-sequence {theirs_alone.mean().item():.6f}")
+    assert gap > 1e-3, gap
+    # The z-loss: the mean over tokens of logsumexp(logits)^2.
+    moe = model.model.layers[0].mlp
+    moe.aux_loss_coef, moe.z_loss_coef = 0.0, 1.0
+    probs = logits.softmax(-1)
+    z = moe.router_losses(logits, probs, probs.topk(2, -1).indices)
+    torch.testing.assert_close(z, torch.logsumexp(logits, -1).pow(2).mean(), rtol=1e-6, atol=0)
+
+
+def test_the_router_losses_reach_the_router_through_any_output():
+    """AttachLoss: the layer's output carries the losses; backward from the output alone gives
+    the router the losses' gradient, scaled, and records the value once."""
+    torch.manual_seed(2)
+    model = ours_from(transformers.MixtralForCausalLM(mixtral_config()).eval()).train()
+    moe = model.model.layers[0].mlp
+    x = router_inputs(model, torch.randint(0, 101, (2, 9))).detach()
+    moe.aux_loss_coef, moe.z_loss_coef, moe.scale = 0.5, 0.25, 1.0
+    moe(x).sum().backward()
+    with_losses = moe.gate.weight.grad.clone()
+    moe.gate.weight.grad = None
+    moe.aux_loss_coef = moe.z_loss_coef = 0.0
+    moe(x).sum().backward()
+    without = moe.gate.weight.grad.clone()
+    moe.gate.weight.grad = None
+    logits = moe.gate(x).float()
+    probs = logits.softmax(-1)
+    moe.aux_loss_coef, moe.z_loss_coef = 0.5, 0.25
+    moe.router_losses(logits, probs, probs.topk(2, -1).indices).backward()
+    torch.testing.assert_close(with_losses - without, moe.gate.weight.grad, rtol=1e-5, atol=1e-8)
+    assert len(moe.record) == 2  # the two backwards through the layer
+
+
+def test_a_checkpoint_goes_to_transformers_and_back(tmp_path):
+    """A run's checkpoint, exported, loads in MixtralForCausalLM; --init_from_hf's reader loads
+    that folder into our model: the same logits."""
+    run = tmp_path / "run"
+    args = [*TINY, "--model_name", "tiny-moe", "--max_steps", "2", "--save_dir", str(run)]
+    check(run_step(S15, [*args, "--save_every", "2", "--sample_tokens", "0"]))
+    export_hf.export(run, tmp_path / "hf")
+    reference = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    model = model_lib.LlamaForCausalLM(reference.config)
+    moe_lib.apply_moe(model)
+    hf_import.load_hf_weights(model, tmp_path / "hf")
+    ids = torch.randint(0, reference.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), reference(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+### The exchange across ranks
+def exchange_worker(rank, world, out, bug):
+    """Each rank its own tokens; every expert on one rank (the reference) against E/2 experts
+    per rank with the all-to-all. `bug`: None, or "plain" (an all-to-all autograd cannot see)."""
+    import expert_parallel
+    import moe as moe_lib
+
+    from process_group_manager import ProcessGroupManager
+
+    torch.manual_seed(0)  # the same layer on every rank
+    config = transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2
+    )
+    layer = moe_lib.MixtureOfExperts(config, range(4))
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    torch.manual_seed(1 + rank)  # each rank its tokens
+    x = torch.randn(3, 5, 16)
+    # No near-ties: the k-th and the next probability are far apart, so rounding cannot flip one.
+    probs = layer.gate(x).float().softmax(-1).sort(-1, descending=True).values
+    assert (probs[..., 1] - probs[..., 2]).min() > 1e-4
+    reference = {}
+    x_ref = x.clone().requires_grad_()
+    y_ref = layer(x_ref)
+    (y_ref * torch.arange(16.0)).sum().backward()
+    for name, param in layer.named_parameters():
+        reference[name] = param.grad.clone()
+        if name.startswith("experts."):  # the expert's gradient: every rank's tokens
+            dist.all_reduce(reference[name])
+        param.grad = None
+    pgm = ProcessGroupManager(1, 1, world, ep_size=world)
+    if bug == "plain":
+        expert_parallel.AllToAll.apply = expert_parallel.all_to_all
+    mine = range(pgm.ep_rank * 2, pgm.ep_rank * 2 + 2)
+    layer.experts = torch.nn.ModuleDict({str(e): layer.experts[str(e)] for e in mine})
+    layer.exchange = partial(expert_parallel.exchange, pgm.ep_group)
+    x_ep = x.clone().requires_grad_()
+    y = layer(x_ep)
+    (y * torch.arange(16.0)).sum().backward()
+
+    def relative(got, want):  # the largest difference, relative to the largest value
+        got = torch.zeros_like(want) if got is None else got
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    worst = {"output": relative(y, y_ref), "input": relative(x_ep.grad, x_ref.grad)}
+    for name, param in layer.named_parameters():
+        worst[name] = relative(param.grad, reference[name])
+    (out / f"rank{rank}.json").write_text(json.dumps(worst))
+
+
+@pytest.mark.parametrize("bug", [None, "plain"])
+def test_the_exchange_computes_what_one_rank_computes(tmp_path, bug):
+    """2 ranks, 2 experts each: the output and every gradient (input, router, experts) of the
+    layer as one rank with all 4 experts computes them (each expert's gradient summed over the
+    ranks' tokens), to 1e-6 of the largest value. With PyTorch's plain all_to_all_single, which
+    autograd cannot see, the experts and the input's expert path get no gradient: it tells."""
+    spawn(S15, exchange_worker, 2, tmp_path, tmp_path, bug)
+    worst = {}
+    for rank in range(2):
+        for name, value in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            worst[name] = max(worst.get(name, 0.0), value)
+    print(f"\n{bug}: {worst}")
+    assert worst["output"] <= 1e-6
+    wrong = {name: value for name, value in worst.items() if value > 1e-6}
+    if bug is None:
+        assert not wrong, wrong
+    else:
+        assert "input" in wrong and any(name.startswith("experts.") for name in wrong), worst
+
+
+def test_the_all_to_all_bytes_follow_the_formula():
+    """--comm_stats at ep 2: per layer and micro-batch, five all-to-alls (the counts, dispatch
+    and combine, each of the two again in backward). Dispatch carries a rank's N k rows and
+    combine the R rows it computed for the others and itself; backward the same again: over the
+    ep ranks, whose R add up to ep N k, 4 ep N k D 4 bytes, and the counts 8 E ep. At ep 2 both
+    ranks send as much: each sends, four times, the rows that cross between them."""
+    L, m, N, k, D, E, ep = 2, 2, 2 * 32, 2, 64, 4, 2  # TINY: 2 layers, 2 rows of 32, hidden 64
+    flags = [*TINY, *MOE, "--dp_size", "2", "--ep_size", "2", "--comm_stats"]
+    flags += ["--gradient_accumulation_steps", str(m), "--max_steps", "1", "--sample_tokens", "0"]
+    result = check(run_step(S15, flags, nproc=2))
+    rows = [line.split() for line in result.stdout.splitlines() if " all-to-all " in line]
+    assert len(rows) == ep, result.stdout[-3000:]
+    calls = {int(row[-3]) for row in rows}
+    total = sum(int(row[-2].replace(",", "")) for row in rows)
+    sent = [int(row[-1].replace(",", "")) for row in rows]
+    assert calls == {5 * L * m}
+    assert total == L * m * (4 * ep * N * k * D * 4 + 8 * E * ep)
+    assert sent[0] == sent[1] and 0 < sent[0] < total / ep
+
+
+### The layouts
+MOE = ["--model_name", "tiny-moe"]
+COMMON = [*TINY, "--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
+COMMON += ["--num_proc", "1", "--sample_tokens", "4"]
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+BASELINE = convergence.Layout("moe_baseline", S15, 1, (), 4)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The MoE on one process, and the manifest's step-15 layouts, 4 micro-batches in all."""
+    out = tmp_path_factory.mktemp("layouts")
+    runs = {"baseline": BASELINE}
+    runs.update({layout.name: layout for layout in convergence.step_layouts(15, 4)})
+    # The layouts name the model in their flags, the baseline here.
+    return {
+        name: convergence.run(layout, COMMON + (MOE if name == "baseline" else []), out, env=ENV)
+        for name, layout in runs.items()
+    }
+
+
+def test_every_layout_trains_like_one_process(trained):
+    """ep 2 over dp 2, and over dp 4 (two ranks hold each expert); with tp 2, with pp 2, with
+    ZeRO-2; the MoE under ZeRO-3 at ep 1: against the MoE on one process."""
+    names = [layout.name for layout in convergence.step_layouts(15, 4)]
+    results = {name: convergence.compare(trained[name], trained["baseline"]) for name in names}
+    print(f"\n{convergence.table(results)}")
+    for name, comparison in results.items():
+        assert comparison.ok, f"{name}: {comparison.problems}"
+    for name in names:  # the router's losses too, each step
+        for got, want in zip(trained[name], trained["baseline"], strict=True):
+            assert abs(got["router_loss"] - want["router_loss"]) <= 1e-5 * want["router_loss"]
+            assert got["expert_load"] == want["expert_load"], name
+
+
+EXPERTS_OVER_EDP = """
+import zero
+
+correct = zero.ShardedBucket.__init__
+
+def __init__(self, params, dp_group, stage=1, replicas=None):
+    correct(self, params, dp_group, stage)  # the bug: an expert's averaged over edp x cp alone
+
+zero.ShardedBucket.__init__ = __init__
+"""
+POOLED_PER_RANK = """
+import torch
+import moe
+
+def router_losses(self, logits, probs, index):
+    # The bug: transformers' pooled loss, over this rank's whole micro-batch.
+    B, T, E = probs.shape
+    slots = torch.zeros(E).index_add_(0, index.reshape(-1), torch.ones(index.numel()))
+    balance = E * (slots / (B * T) * probs.mean(dim=(0, 1))).sum()
+    return self.aux_loss_coef * balance
+
+moe.MixtureOfExperts.router_losses = router_losses
+"""
+
+
+@pytest.mark.parametrize(
+    "bug, patch", [("experts_over_edp", EXPERTS_OVER_EDP), ("pooled_per_rank", POOLED_PER_RANK)]
+)
+def test_a_bug_injected_fails_the_comparison(tmp_path, trained, bug, patch):
+    """ep 2 over dp 2 with an expert's gradient divided by the ranks that hold it (1) instead
+    of dp (2); with the load-balancing loss pooled over each rank's micro-batch of 2 sequences
+    (transformers' way; the coefficient 1.0 in both runs): the loss or the gradient norm leaves
+    the one-process run's."""
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(
+        convergence.LAUNCHER.format(bug=bug) + patch + "\nimport train\n\ntrain.main()\n"
+    )
+    [layout] = [lay for lay in convergence.step_layouts(15, 4) if lay.name == "ep2_dp2"]
+    common, base = COMMON, trained["baseline"]
+    if bug == "pooled_per_rank":  # a coefficient that weighs, the baseline with it too
+        common = [*COMMON, "--aux_loss_coef", "1.0"]
+        base = convergence.run(BASELINE, [*common, *MOE], tmp_path / "base", env=ENV)
+    records = convergence.run(layout, common, tmp_path, env=ENV, launcher=launcher)
+    comparison = convergence.compare(records, base)
+    print(f"\n{convergence.table({f'ep2_dp2 + {bug}': comparison})}")
+    assert not comparison.ok
+
+
+### Refused before the first step
+@pytest.mark.parametrize(
+    "flags, nproc, message",
+    [
+        (["--dp_size", "2", "--ep_size", "4"], 2, "--ep_size 4 borrows its ranks from dp"),
+        ([*MOE, "--dp_size", "3", "--ep_size", "3"], 3, "--ep_size 3 does not divide"),
+        (["--dp_size", "2", "--ep_size", "2"], 2, "this one is dense"),
+        ([*MOE, "--dp_size", "2", "--ep_size", "2", "--zero_stage", "3"], 2, "not built yet"),
+        ([*MOE, "--cp_size", "2"], 2, "with --cp_size is not built yet"),
+        ([*MOE, "--tp_size", "2", "--sequence_parallel"], 2, "--sequence_parallel is not built"),
+        (["--ep_size", "0"], 1, "--ep_size must be at least 1"),
+    ],
+)
+def test_what_cannot_work_is_refused(flags, nproc, message):
+    result = run_step(S15, [*TINY, *flags, "--max_steps", "1"], nproc=nproc)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("top_k, message", [(1, "the router gets no gradient"), (5, "too many")])
+def test_a_config_with_another_top_k_is_refused(tmp_path, top_k, message):
+    config = json.loads((ROOT / "assets/configs/tiny-moe/config.json").read_text())
+    config["num_experts_per_tok"] = top_k
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run_step(S15, [*TINY, "--model_name", str(tmp_path), "--max_steps", "1"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
