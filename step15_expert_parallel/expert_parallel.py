@@ -49,11 +49,6 @@ def check_expert_parallel(parser, args):
         parser.error(
             f"--ep_size {ep} borrows its ranks from dp: it must divide --dp_size {args.dp_size}"
         )
-    if ep > 1 and args.zero_stage == 3:
-        parser.error(
-            f"--ep_size {ep} with --zero_stage 3 is not built yet: the experts would be sharded "
-            f"over the edp x cp ranks that hold them; use --zero_stage 1 or 2"
-        )
 
 
 def all_to_all(x, receive, send, group):

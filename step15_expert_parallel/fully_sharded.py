@@ -73,17 +73,23 @@ def check_zero_stage(parser, args):
 def shard_parameters(model, pgm, axes):
     """Cut each parameter's rows over the grid's `axes` ("dp", "cp"): a record of one Split per
     axis of more than one rank, outermost first, and a meta tensor of this rank's piece. Call it
-    on the meta device, after every other technique has placed its parameters."""
-    sizes = {axis: getattr(pgm, f"{axis}_size") for axis in axes}
-    shards = [Split(axis, 0, getattr(pgm, f"{axis}_rank"), size) for axis, size in sizes.items()]
-    shards = [split for split in shards if split.size > 1]
-    ways = 1
-    for split in shards:
-        ways *= split.size
+    on the meta device, after every other technique has placed its parameters. An expert, held
+    by one ep rank (expert_parallel.py), is cut over the ranks that hold it: edp instead of dp."""
+
+    def splits(axes):
+        sizes = {axis: getattr(pgm, f"{axis}_size") for axis in axes}
+        shards = [Split(a, 0, getattr(pgm, f"{a}_rank"), size) for a, size in sizes.items()]
+        return [split for split in shards if split.size > 1]
+
+    cuts = {False: splits(axes), True: splits(["edp" if a == "dp" else a for a in axes])}
     for prefix, module in model.named_modules():
         names = [name for name, _ in module.named_parameters(recurse=False)]
         for name in names:
             param = getattr(module, name)
+            shards = cuts[any(entry.axis == "ep" for entry in record_of(module, name))]
+            ways = 1
+            for split in shards:
+                ways *= split.size
             rows = param.shape[0]
             if rows % ways:
                 where = f"{prefix}.{name}" if prefix else name
@@ -107,9 +113,12 @@ class Unit:
     piece is a module's parameter (a tied weight: twice); the pieces, each once, are stored side
     by side in one flat `shard`, so that the all-gather sends it as it is."""
 
-    def __init__(self, modules, uses, group):
+    def __init__(self, modules, uses, group, replicas=None):
         self.modules, self.uses, self.group = modules, uses, group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # The ranks whose losses the batch's is the mean of: the group's, or all dp x cp ranks
+        # for the experts, whose group (edp x cp) leaves out their ep ranks.
+        self.replicas = replicas or self.size
         self.pieces = list({id(piece): piece for _, _, piece in uses}.values())
         numel = sum(piece.numel() for piece in self.pieces)
         device = self.pieces[0].device
@@ -198,7 +207,7 @@ class Unit:
             rows = grad[offset * self.size : (offset + numel) * self.size]
             send[:, start : start + numel] = rows.view(self.size, numel)
             offset += numel
-        send /= self.size
+        send /= self.replicas
         mine = torch.empty(self.shard.numel(), device=grad.device)
         if self.size == 1:
             mine.copy_(send.view(-1))
@@ -215,8 +224,10 @@ class Unit:
 
 
 def units_of(model):
-    """(modules, uses) of each unit: each decoder layer, and each module outside the layers that
-    holds parameters, those that share one in the same unit."""
+    """(modules, uses, experts) of each unit: each decoder layer, and each module outside the
+    layers that holds parameters, those that share one in the same unit. A layer's experts held
+    by one ep rank are a unit of their own, gathered with the layer over their own ranks
+    (`experts` True)."""
     layers = list(model.model.layers.values())
     inside = {id(m) for layer in layers for m in layer.modules()}
     units = []
@@ -230,10 +241,13 @@ def units_of(model):
             shared[0][0].append(module)
             shared[0][1].extend(uses)
         else:
-            units.append(([module], uses))
+            units.append(([module], uses, False))
     for layer in layers:
         uses = [(m, n, p) for m in layer.modules() for n, p in m.named_parameters(recurse=False)]
-        units.append(([layer], uses))
+        held = {id(p) for m, n, p in uses if any(e.axis == "ep" for e in record_of(m, n))}
+        units.append(([layer], [use for use in uses if id(use[2]) not in held], False))
+        if held:
+            units.append(([layer], [use for use in uses if id(use[2]) in held], True))
     return units
 
 
@@ -248,7 +262,13 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module, self.shard_axes = module, shard_axes
         self.dp_group, _ = pgm.group(*shard_axes)
-        self.units = [Unit(*unit, self.dp_group) for unit in units_of(model)]
+        replicas = dist.get_world_size(self.dp_group)
+        self.units = [
+            Unit(modules, uses, pgm.edp_cp_group, replicas)
+            if experts
+            else Unit(modules, uses, self.dp_group)
+            for modules, uses, experts in units_of(model)
+        ]
         self.most_gathered = 0
         for unit in self.units:
             unit.measure = self.measure
@@ -263,7 +283,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward_order(self, model):
         """The units in the order this stage's forward runs them (a tied unit at its first use)."""
-        unit_of = {id(module): unit for unit in self.units for module in unit.modules}
+        unit_of = {}  # a layer has a second unit when it holds experts
+        for unit in self.units:
+            for module in unit.modules:
+                unit_of.setdefault(id(module), []).append(unit)
         inner, order = model.model, []
         modules = [
             inner.embed_tokens,
@@ -274,9 +297,8 @@ class FullyShardedDataParallel(nn.Module):
         for module in modules:
             if module is None:
                 continue
-            unit = next(unit_of[id(m)] for m in module.modules() if id(m) in unit_of)
-            if unit not in order:
-                order.append(unit)
+            units = next(unit_of[id(m)] for m in module.modules() if id(m) in unit_of)
+            order += [unit for unit in units if unit not in order]
         assert len(order) == len(self.units), (len(order), len(self.units))
         return order
 

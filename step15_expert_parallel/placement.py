@@ -123,6 +123,8 @@ def first_holder(pgm, spread, axes):
         if axis in spread:
             continue
         if axis == "dp" and "ep" in spread:
+            if "edp" in spread:  # an expert cut over the ranks that hold it (ZeRO-3)
+                continue
             axis = "edp"
         if getattr(pgm, f"{axis}_rank") != 0:
             return False

@@ -569,7 +569,7 @@ STEPS = [
     Step("step13_sequence_parallel",
          ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
           "train.py", "README.md"),
-         ("sequence_parallel.py", "recompute.py", "fully_sharded.py"),
+         ("sequence_parallel.py", "recompute.py"),
          convergence=(("sp_tp2_selective", 2, (*SP2, "--recompute", "selective"), 1),
                       ("sp_pp2_tp2_full", 4, (*SP2, *PP2, "1f1b", "--recompute", "full"), 1),
                       ("sp_cp2_tp2", 4, (*SP2, "--cp_size", "2"), 1),
@@ -592,9 +592,9 @@ STEPS = [
     # Trained against step 15 itself on one process, with the same experts (tiny-moe).
     Step("step15_expert_parallel",
          ("moe.py", "expert_parallel.py", "process_group_manager.py", "placement.py",
-          "checkpoint.py", "zero.py", "train.py", "README.md"),
+          "checkpoint.py", "zero.py", "fully_sharded.py", "train.py", "README.md"),
          ("moe.py", "expert_parallel.py", "process_group_manager.py", "placement.py",
-          "checkpoint.py", "zero.py"),
+          "checkpoint.py", "zero.py", "fully_sharded.py"),
          convergence=(("ep2_dp2", 2, (*MOE, *DP2_BUCKETS, *EP2), 2),
                       ("ep2_dp4", 4, (*MOE, "--dp_size", "4", "--bucket_size_mb", "0.05", *EP2),
                        4),
@@ -603,7 +603,9 @@ STEPS = [
                       ("ep2_dp2_pp2_zb1_full", 4,
                        (*MOE, *DP2_BUCKETS, *EP2, *ZB1, "--recompute", "full"), 2),
                       ("ep2_dp2_zero2", 2, (*MOE, *DP2_BUCKETS, *EP2, "--zero_stage", "2"), 2),
-                      ("moe_dp2_zero3", 2, (*MOE, "--dp_size", "2", *ZERO3), 2))),
+                      ("moe_dp2_zero3", 2, (*MOE, "--dp_size", "2", *ZERO3), 2),
+                      ("ep2_dp4_zero3_full", 4,
+                       (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4))),
 ]  # fmt: skip
 
 
