@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import LlamaMLP
+from tensor_parallel import Copy, Reduce
 
 MODEL_TYPES = ("llama", "mixtral")  # the configs this step trains: Mixtral, a Llama with experts
 
@@ -84,15 +85,12 @@ def check_moe(config, args):
         )
     if E % ep:
         raise ValueError(f"--ep_size {ep} does not divide num_local_experts={E}")
-    for flag, on in [
-        ("--cp_size", args.cp_size > 1),
-        ("--sequence_parallel", args.sequence_parallel),
-    ]:
-        if on:
-            raise ValueError(
-                f"a mixture of experts with {flag} is not built yet: the load-balancing loss "
-                f"needs each sequence's counts whole; drop {flag}"
-            )
+    if args.sequence_parallel:
+        raise ValueError(
+            "a mixture of experts with --sequence_parallel is not built yet: each tp rank would "
+            "route its own tokens, and the router's and experts' gradients would need summing "
+            "over tp; drop --sequence_parallel"
+        )
 
 
 class AttachLoss(torch.autograd.Function):
@@ -162,6 +160,7 @@ class MixtureOfExperts(nn.Module):
         # micro-batches of a step, like the loss's).
         self.aux_loss_coef, self.z_loss_coef, self.scale = 0.0, 0.0, 1.0
         self.record = []  # (router losses, rows per expert) of each micro-batch, for the log
+        self.sequence_group = None  # context parallelism: the ranks a sequence is cut over
 
     def forward(self, x):
         B, T, D = x.shape
@@ -188,20 +187,27 @@ class MixtureOfExperts(nn.Module):
         B, T, E = probs.shape
         slots = torch.zeros(B, E, device=probs.device)  # (B, E): token slots per expert
         slots.scatter_add_(1, index.view(B, -1), torch.ones(B, T * self.top_k, device=slots.device))
-        balance = E * (slots / T * probs.mean(dim=1)).sum(dim=-1)  # (B,)
+        summed = probs.sum(dim=1)  # (B, E)
+        if self.sequence_group is not None:  # the sequence's other chunks are on other ranks
+            dist.all_reduce(slots, group=self.sequence_group)
+            # Summed forward; backward, each rank's copy of the loss sends its gradient to all.
+            summed = Reduce.apply(Copy.apply(summed, self.sequence_group), self.sequence_group)
+            T *= dist.get_world_size(self.sequence_group)
+        balance = E * (slots / T * summed / T).sum(dim=-1)  # (B,)
         z = torch.logsumexp(logits, dim=-1).pow(2).mean(dim=1)  # (B,)
         return (self.aux_loss_coef * balance + self.z_loss_coef * z).mean()
 
 
-def apply_moe(model, experts=None):
-    """Put a MixtureOfExperts in place of every layer's MLP, holding the experts `experts` (all by
-    default). Call it on the meta device, before the weights exist. Under tensor parallelism the
-    experts are not split: every tp rank runs the whole layer on the same tokens, so the norm
-    before it must not sum their input gradients over tp (its f, tensor_parallel.py)."""
+def apply_moe(model, sequence_group=None):
+    """Put a MixtureOfExperts with every expert in place of every layer's MLP (expert
+    parallelism then keeps a rank's own). Call it on the meta device, before the weights exist.
+    Under tensor parallelism the experts are not split: every tp rank runs the whole layer on the
+    same tokens, so the norm before it must not sum their input gradients over tp (its f,
+    tensor_parallel.py). `sequence_group`: the cp ranks that hold a sequence's chunks, or None."""
     config = model.config
-    experts = range(config.num_local_experts) if experts is None else experts
     for layer in model.model.layers:
-        layer.mlp = MixtureOfExperts(config, experts)
+        layer.mlp = MixtureOfExperts(config, range(config.num_local_experts))
+        layer.mlp.sequence_group = sequence_group
         if hasattr(layer.post_attention_layernorm, "f"):
             layer.post_attention_layernorm.f = Whole
     return model

@@ -200,7 +200,7 @@ def build_model(ctx, config):
         # The swap happens before any weight exists: each rank allocates only its slices.
         apply_tensor_parallel(model, pgm.tp_group)
         if is_moe(config):  # Mixture of experts: in place of each MLP
-            apply_moe(model)
+            apply_moe(model, pgm.cp_group if pgm.cp_size > 1 else None)
             if pgm.ep_size > 1:  # Expert parallelism: this ep rank's experts only
                 apply_expert_parallel(model, pgm)
         if args.sequence_parallel:  # Sequence parallelism: a tp rank keeps its tokens between

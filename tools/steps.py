@@ -605,7 +605,9 @@ STEPS = [
                       ("ep2_dp2_zero2", 2, (*MOE, *DP2_BUCKETS, *EP2, "--zero_stage", "2"), 2),
                       ("moe_dp2_zero3", 2, (*MOE, "--dp_size", "2", *ZERO3), 2),
                       ("ep2_dp4_zero3_full", 4,
-                       (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4))),
+                       (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4),
+                      ("moe_cp2", 2, (*MOE, "--cp_size", "2"), 1),
+                      ("ep2_dp2_cp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--cp_size", "2"), 2))),
 ]  # fmt: skip
 
 
