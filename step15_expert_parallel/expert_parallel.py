@@ -77,16 +77,17 @@ def exchange(group, moe, rows, counts):
     that holds it; returned in the same order."""
     ep = dist.get_world_size(group)
     local = moe.num_experts // ep
-    send = counts.view(ep, local)  # (ep, E/ep): rows for each rank's experts
+    # The rows this rank sends each rank's experts; the all-to-all gives those it receives.
+    send = counts.view(ep, local)  # (ep, E/ep)
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)  # (ep, E/ep): from each rank, per expert
+    dist.all_to_all_single(received, send, group=group)
     out_rows, in_rows = send.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-    arrived = AllToAll.apply(rows, in_rows, out_rows, group)  # (rows in, D): by rank, by expert
+    arrived = AllToAll.apply(rows, in_rows, out_rows, group)  # by rank, then by expert
     expert = torch.arange(local, device=rows.device).repeat(ep)  # (ep E/ep,)
     by_expert = expert.repeat_interleave(received.view(-1)).argsort(stable=True)
     out = run_experts(moe.experts, arrived[by_expert], received.sum(dim=0).tolist())
     out = out[by_expert.argsort()]  # back by rank
-    return AllToAll.apply(out, out_rows, in_rows, group)  # (N k, D): in the order they left
+    return AllToAll.apply(out, out_rows, in_rows, group)  # (N k, D), in the order they left
 
 
 def apply_expert_parallel(model, pgm):

@@ -168,13 +168,15 @@ class MixtureOfExperts(nn.Module):
         probs = logits.softmax(dim=-1)  # (B, T, E)
         top, index = probs.topk(self.top_k, dim=-1)  # (B, T, k)
         weights = top / top.sum(dim=-1, keepdim=True)  # (B, T, k)
-        experts = index.view(-1)  # (N k,): slot j of token n at n k + j
-        order = experts.argsort(stable=True)  # the slots, grouped by expert
+        # The N k slots (slot j of token n at n k + j) grouped by expert, each slot's token a row.
+        experts = index.view(-1)  # (N k,)
+        order = experts.argsort(stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)  # (E,)
-        rows = x.reshape(-1, D)[order // self.top_k]  # (N k, D): each slot's token
-        out = self.exchange(self, rows, counts)  # (N k, D): each through its expert
-        out = out[order.argsort()].view(B * T, self.top_k, D)  # back in slot order
-        y = (out * weights.view(B * T, self.top_k, 1)).sum(dim=1)  # (N, D), summed slot by slot
+        rows = x.reshape(-1, D)[order // self.top_k]  # (N k, D)
+        out = self.exchange(self, rows, counts)  # each row through its expert
+        # Back in slot order, weighed, summed slot by slot.
+        out = out[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D)
+        y = (out * weights.view(B * T, self.top_k, 1)).sum(dim=1)  # (N, D)
         y = y.to(x.dtype).view(B, T, D)
         if torch.is_grad_enabled():
             losses = self.scale * self.router_losses(logits, probs, index)
@@ -185,7 +187,7 @@ class MixtureOfExperts(nn.Module):
         """aux_loss_coef x the load-balancing loss + z_loss_coef x the z-loss, each a mean over
         the sequences of a per-sequence term."""
         B, T, E = probs.shape
-        slots = torch.zeros(B, E, device=probs.device)  # (B, E): token slots per expert
+        slots = torch.zeros(B, E, device=probs.device)  # (B, E), token slots per expert
         slots.scatter_add_(1, index.view(B, -1), torch.ones(B, T * self.top_k, device=slots.device))
         summed = probs.sum(dim=1)  # (B, E)
         if self.sequence_group is not None:  # the sequence's other chunks are on other ranks

@@ -6,13 +6,14 @@ MoE on one process, and the bugs injected there fail; what cannot work is refuse
 
 import json
 import sys
+from dataclasses import replace
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from conftest import ROOT, TINY, check, import_step, read_log, run_step, spawn
+from conftest import ROOT, TINY, check, import_step, read_log, run_step, spawn, step_dir
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
@@ -272,6 +273,8 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     runs = {"baseline": BASELINE}
     runs.update({layout.name: layout for layout in convergence.step_layouts(15, 4)})
+    # The folder the tests use (a learner's copy, with --step): one process too.
+    runs = {name: replace(layout, step=str(step_dir(S15))) for name, layout in runs.items()}
     # The layouts name the model in their flags, the baseline here.
     return {
         name: convergence.run(layout, COMMON + (MOE if name == "baseline" else []), out, env=ENV)

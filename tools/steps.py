@@ -505,6 +505,47 @@ SCHEDULES_GRADED = (
       for piece in ("linear", "lookup", "norm", "model")),
     f"{SCHEDULES_TESTS}test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere",
 )  # fmt: skip
+MOE_FILE, EP = "moe.py", "expert_parallel.py"
+# Step 15: the layer on one rank first (its routing, its losses, their way out), then the
+# exchange across ranks and the plan that puts it in.
+MOE_BLANKS = (
+    Blank(MOE_FILE, "MixtureOfExperts.forward",
+          "the router's logits in fp32, softmax over E, top k, the weights divided by their "
+          "sum; the N k slots sorted by expert (a stable argsort), each slot's token as a row, "
+          "the rows per expert (bincount); self.exchange(self, rows, counts); the rows back in "
+          "slot order, times their weights, summed over the k slots, in x's dtype; while grad "
+          "is enabled, AttachLoss of self.scale x router_losses, the counts and self.record on "
+          "the output"),
+    Blank(MOE_FILE, "MixtureOfExperts.router_losses",
+          "per sequence: its token slots per expert and its router probabilities summed over "
+          "T, both summed over sequence_group when there is one (the probabilities through "
+          "Reduce(Copy(...)); T times its size); balance E sum_e (slots / T) (sums / T), z the "
+          "mean over T of logsumexp(logits)^2; the mean over the sequences of aux_loss_coef "
+          "balance + z_loss_coef z"),
+    Blank(MOE_FILE, "AttachLoss.backward",
+          "add ctx.facts to ctx.record; the gradient as it is, ones like the loss, None, None"),
+    Blank(EP, "AllToAll.backward",
+          "the same all-to-all of the gradient with receive and send swapped; no gradient for "
+          "the counts or the group"),
+    Blank(EP, "exchange",
+          "the counts as (ep, E/ep); their all-to-all tells what each rank sends this rank's "
+          "experts; the rows out and in per rank, as lists; AllToAll the rows; regroup them by "
+          "local expert (a stable argsort), run_experts, back in rank order; AllToAll them back"),
+    Blank(EP, "apply_expert_parallel",
+          "in each layer keep this ep rank's E/ep experts (from ep_rank E/ep on) under their "
+          "own keys, each linear's weight placed Held('ep', ep_rank); the layer's exchange over "
+          "pgm.ep_group (functools.partial); return the model"),
+)  # fmt: skip
+MOE_TESTS = "tests/test_expert_parallel.py::"
+MOE_GRADED = (
+    f"{MOE_TESTS}test_logits_and_losses_equal_transformers_mixtral",
+    f"{MOE_TESTS}test_router_losses_are_means_of_per_sequence_terms_and_transformers_is_not",
+    f"{MOE_TESTS}test_the_router_losses_reach_the_router_through_any_output",
+    f"{MOE_TESTS}test_the_exchange_computes_what_one_rank_computes[None]",
+    f"{MOE_TESTS}test_the_all_to_all_bytes_follow_the_formula",
+    f"{MOE_TESTS}test_every_layout_trains_like_one_process",
+    f"{MOE_TESTS}test_a_checkpoint_of_experts_on_two_ranks_resumes_in_any_layout",
+)  # fmt: skip
 STEPS = [
     Step("step1_model", ("model.py", "train.py", "utils.py", "README.md"), ("model.py",),
          bench={"model": 1}),
@@ -607,7 +648,8 @@ STEPS = [
                       ("ep2_dp4_zero3_full", 4,
                        (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4),
                       ("moe_cp2", 2, (*MOE, "--cp_size", "2"), 1),
-                      ("ep2_dp2_cp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--cp_size", "2"), 2))),
+                      ("ep2_dp2_cp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--cp_size", "2"), 2)),
+         blanks=MOE_BLANKS, graded=MOE_GRADED),
 ]  # fmt: skip
 
 
