@@ -129,8 +129,16 @@ def test_ring_attention_rows_agree_with_float64_sdpa(run):
         assert row["ok"]
 
 
+def test_expert_exchange_agrees_with_torchs_all_to_all_and_one_rank(run):
+    """Step 15's exchange and the same through PyTorch's all_to_all_single_autograd: the input's
+    and every parameter's gradient those of one rank with every expert."""
+    row = run("ep")[("ours", "all_to_all_single_autograd")]
+    assert checks(row)[" ours"] <= 1e-5 and checks(row)[" all_to_all_single_autograd"] <= 1e-5
+    assert row["ok"]
+
+
 def test_table_shows_every_comparison(run):
-    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1"]
+    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1", "ep"]
     assert sorted(parts) == sorted(bench.WORLD)
     rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)
@@ -142,9 +150,9 @@ def test_table_shows_every_comparison(run):
 
 def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as error:
-        bench.parse_args(["--parts", "model,ep"])
+        bench.parse_args(["--parts", "model,moe"])
     assert error.value.code == 2
-    assert "unknown ep" in capsys.readouterr().err
+    assert "unknown moe" in capsys.readouterr().err
     with pytest.raises(SystemExit) as error:
         bench.parse_args(["--parts", "sp", "--seq_len", "15"])
     assert error.value.code == 2

@@ -10,6 +10,7 @@ backward, no optimizer).
 
 # B micro-batch, T tokens, V vocab, H query heads, K key/value heads, d head dim
 
+import argparse
 import importlib
 import statistics
 import sys
@@ -880,6 +881,90 @@ def compare_cp(args, device):
 
 
 ### end Ring attention
+def compare_ep(args, device):
+    """Expert parallelism's exchange (step 15) against the same exchange through PyTorch's
+    all-to-all with autograd (`all_to_all_single_autograd`, torch.distributed's functional
+    collectives, which torchtitan's expert parallelism uses): one MoE layer, E/ep experts per
+    rank, each rank its own tokens. A step is the layer's forward and backward. Both are held to
+    the layer with every expert on one rank (its experts' gradients summed over the ranks)."""
+    from functools import partial
+
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    step = part_step("ep")
+    moe, expert_parallel = import_step(step, "moe"), import_step(step, "expert_parallel")
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    config = load_config(args)
+    if not getattr(config, "num_local_experts", 0):  # a dense --model_name: tiny's MoE
+        config = load_config(argparse.Namespace(**{**vars(args), "model_name": "tiny-moe"}))
+    E, D = config.num_local_experts, config.hidden_size
+    torch.manual_seed(args.seed)  # the same layer on every rank
+    whole = moe.MixtureOfExperts(config, range(E)).to(device)
+    for param in whole.parameters():
+        torch.nn.init.normal_(param, std=config.initializer_range)
+    generator = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its tokens
+    x = torch.randn(args.micro_batch_size, args.seq_len, D, generator=generator).to(device)
+    grad_out = torch.randn(x.shape, generator=generator).to(device)
+
+    # The reference: every expert on this rank, each expert's gradient over every rank's tokens.
+    x_ref = x.clone().requires_grad_()
+    whole(x_ref).backward(grad_out)
+    want = {name: param.grad.clone() for name, param in whole.named_parameters()}
+    for name, grad in want.items():
+        if name.startswith("experts."):
+            dist.all_reduce(grad)
+    want["input"] = x_ref.grad
+
+    def torch_all_to_all(rows, receive, send, group):
+        return all_to_all_single_autograd(rows, receive, send, group)
+
+    def exchange_theirs(group, layer, rows, counts):
+        saved = expert_parallel.AllToAll.apply
+        expert_parallel.AllToAll.apply = torch_all_to_all
+        try:
+            return expert_parallel.exchange(group, layer, rows, counts)
+        finally:
+            expert_parallel.AllToAll.apply = saved
+
+    mine = range(rank * E // world, (rank + 1) * E // world)
+    layers, leaves = {}, {}
+    for name, exchange in [("ours", expert_parallel.exchange), ("theirs", exchange_theirs)]:
+        layer = moe.MixtureOfExperts(config, mine).to(device)
+        kept = layer.state_dict().keys()
+        layer.load_state_dict({k: v for k, v in whole.state_dict().items() if k in kept})
+        layer.exchange = partial(exchange, group)
+        layers[name], leaves[name] = layer, x.clone().requires_grad_()
+    names = {"ours": "ours", "theirs": "all_to_all_single_autograd"}
+
+    def layer_step(name):
+        def run():
+            leaves[name].grad = None
+            layers[name].zero_grad(set_to_none=True)
+            out = layers[name](leaves[name])
+            out.backward(grad_out)
+            return out.detach()[0, 0, 0]
+
+        return run
+
+    def difference(name):
+        """The largest |Δ| of the input's and every parameter's gradient, each relative to the
+        reference's largest entry, over the ranks."""
+        got = {n: p.grad for n, p in layers[name].named_parameters()}
+        got["input"] = leaves[name].grad
+        diffs = [(got[n] - want[n]).abs().max() / want[n].abs().max() for n in got]
+        return (f" {names[name]}", all_ranks_max(max(diffs)), 1e-5)
+
+    sides = {names[name]: layer_step(name) for name in layers}
+    for run in sides.values():
+        run()
+    checks = [difference("ours"), difference("theirs")]
+    times, _ = alternate(sides, args, device)
+    tokens = args.micro_batch_size * args.seq_len
+    k = config.num_experts_per_tok
+    part = f"expert exchange, ep {world}, {E} experts top-{k}, {tokens:,} tokens per rank"
+    return [row(part, "ours", names["theirs"], times, checks)]
+
+
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
 PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}
-PARTS |= {"interleaved": compare_interleaved, "zb1": compare_zb1}
+PARTS |= {"interleaved": compare_interleaved, "zb1": compare_zb1, "ep": compare_ep}

@@ -649,7 +649,7 @@ STEPS = [
                        (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4),
                       ("moe_cp2", 2, (*MOE, "--cp_size", "2"), 1),
                       ("ep2_dp2_cp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--cp_size", "2"), 2)),
-         blanks=MOE_BLANKS, graded=MOE_GRADED),
+         bench={"ep": 2}, blanks=MOE_BLANKS, graded=MOE_GRADED),
 ]  # fmt: skip
 
 
