@@ -35,6 +35,7 @@ the layer runs on, the backward that reaches its output starts the losses' own.
 # B batch, T tokens, D hidden, E experts, k experts per token, N = B T token rows
 
 import re
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import LlamaMLP
-from tensor_parallel import Copy, Reduce
+from tensor_parallel import Copy, Reduce, all_reduce
 
 MODEL_TYPES = ("llama", "mixtral")  # the configs this step trains: Mixtral, a Llama with experts
 
@@ -85,12 +86,6 @@ def check_moe(config, args):
         )
     if E % ep:
         raise ValueError(f"--ep_size {ep} does not divide num_local_experts={E}")
-    if args.sequence_parallel:
-        raise ValueError(
-            "a mixture of experts with --sequence_parallel is not built yet: each tp rank would "
-            "route its own tokens, and the router's and experts' gradients would need summing "
-            "over tp; drop --sequence_parallel"
-        )
 
 
 class AttachLoss(torch.autograd.Function):
@@ -160,9 +155,16 @@ class MixtureOfExperts(nn.Module):
         # micro-batches of a step, like the loss's).
         self.aux_loss_coef, self.z_loss_coef, self.scale = 0.0, 0.0, 1.0
         self.record = []  # (router losses, rows per expert) of each micro-batch, for the log
-        self.sequence_group = None  # context parallelism: the ranks a sequence is cut over
+        # The groups a sequence's tokens are cut over, each with whether the losses of its ranks
+        # are averaged (cp's, like dp's) or each rank's counts whole (sequence parallelism's tp).
+        self.sequence_groups = ()
+        self.tp_group = None  # sequence parallelism: each tp rank routes its own tokens
 
     def forward(self, x):
+        with gradients_summed(self, self.tp_group):
+            return self.route(x)
+
+    def route(self, x):
         B, T, D = x.shape
         logits = self.gate(x).float()  # (B, T, E)
         probs = logits.softmax(dim=-1)  # (B, T, E)
@@ -180,6 +182,8 @@ class MixtureOfExperts(nn.Module):
         y = y.to(x.dtype).view(B, T, D)
         if torch.is_grad_enabled():
             losses = self.scale * self.router_losses(logits, probs, index)
+            if self.tp_group is not None:  # for the log: the rows of every tp rank's tokens
+                counts = all_reduce(counts.clone(), self.tp_group)
             y = AttachLoss.apply(y, losses, counts, self.record)
         return y
 
@@ -190,29 +194,60 @@ class MixtureOfExperts(nn.Module):
         slots = torch.zeros(B, E, device=probs.device)  # (B, E), token slots per expert
         slots.scatter_add_(1, index.view(B, -1), torch.ones(B, T * self.top_k, device=slots.device))
         summed = probs.sum(dim=1)  # (B, E)
-        if self.sequence_group is not None:  # the sequence's other chunks are on other ranks
-            dist.all_reduce(slots, group=self.sequence_group)
-            # Summed forward; backward, each rank's copy of the loss sends its gradient to all.
-            summed = Reduce.apply(Copy.apply(summed, self.sequence_group), self.sequence_group)
-            T *= dist.get_world_size(self.sequence_group)
+        squares = torch.logsumexp(logits, dim=-1).pow(2).sum(dim=1)  # (B,)
+        for group, averaged in self.sequence_groups:  # the sequence's other tokens are elsewhere
+            all_reduce(slots, group)
+            # Summed forward. Backward: where the ranks' losses are averaged (cp), each rank's
+            # copy of the loss sends its gradient to all; else each rank's own is the gradient.
+            summed, squares = (
+                Reduce.apply(Copy.apply(t, group) if averaged else t, group)
+                for t in (summed, squares)
+            )
+            T *= dist.get_world_size(group)
         balance = E * (slots / T * summed / T).sum(dim=-1)  # (B,)
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean(dim=1)  # (B,)
+        z = squares / T  # (B,)
         return (self.aux_loss_coef * balance + self.z_loss_coef * z).mean()
 
 
-def apply_moe(model, sequence_group=None):
+def apply_moe(model, pgm=None, sequence_parallel=False):
     """Put a MixtureOfExperts with every expert in place of every layer's MLP (expert
-    parallelism then keeps a rank's own). Call it on the meta device, before the weights exist.
-    Under tensor parallelism the experts are not split: every tp rank runs the whole layer on the
-    same tokens, so the norm before it must not sum their input gradients over tp (its f,
-    tensor_parallel.py). `sequence_group`: the cp ranks that hold a sequence's chunks, or None."""
+    parallelism then keeps a rank's own). Call it on the meta device, after sequence
+    parallelism, before the weights exist. Under tensor parallelism the experts are not split:
+    every tp rank runs the whole layer on the same tokens, or under sequence parallelism on its
+    own T/tp of them (the router's and experts' gradients then summed over tp, as the norms'
+    are); either way the norm before it must not touch its input over tp (its f,
+    tensor_parallel.py). Under context parallelism a rank holds chunks of each sequence. `pgm`:
+    the grid, None on one process."""
     config = model.config
+    groups = [(pgm.cp_group, True)] if pgm and pgm.cp_size > 1 else []
+    groups += [(pgm.tp_group, False)] if sequence_parallel else []
     for layer in model.model.layers:
         layer.mlp = MixtureOfExperts(config, range(config.num_local_experts))
-        layer.mlp.sequence_group = sequence_group
+        layer.mlp.sequence_groups = tuple(groups)
+        layer.mlp.tp_group = pgm.tp_group if sequence_parallel else None
         if hasattr(layer.post_attention_layernorm, "f"):
             layer.post_attention_layernorm.f = Whole
     return model
+
+
+@contextmanager
+def gradients_summed(module, group):
+    """Within: each of `module`'s parameters enters through Copy (identity forward, all-reduce
+    backward over `group`): each rank's gradient is then the sum of every rank's. Nothing with
+    `group` None."""
+    if group is None:
+        yield
+        return
+    saved = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):  # ZeRO-3's whole weights, if there
+            saved.append((owner, name, param))
+            owner._parameters[name] = Copy.apply(param, group)
+    try:
+        yield
+    finally:
+        for owner, name, param in saved:
+            owner._parameters[name] = param
 
 
 class Whole:

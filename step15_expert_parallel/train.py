@@ -199,12 +199,12 @@ def build_model(ctx, config):
         model = LlamaForCausalLM(config)
         # The swap happens before any weight exists: each rank allocates only its slices.
         apply_tensor_parallel(model, pgm.tp_group)
-        if is_moe(config):  # Mixture of experts: in place of each MLP
-            apply_moe(model, pgm.cp_group if pgm.cp_size > 1 else None)
-            if pgm.ep_size > 1:  # Expert parallelism: this ep rank's experts only
-                apply_expert_parallel(model, pgm)
         if args.sequence_parallel:  # Sequence parallelism: a tp rank keeps its tokens between
             apply_sequence_parallel(model)
+        if is_moe(config):  # Mixture of experts: in place of each MLP
+            apply_moe(model, pgm, args.sequence_parallel)
+            if pgm.ep_size > 1:  # Expert parallelism: this ep rank's experts only
+                apply_expert_parallel(model, pgm)
         if pgm.cp_size > 1:  # Context parallelism: attention around the cp ring
             apply_context_parallel(model, pgm.cp_group)
         keep_stage(model, pgm, args.pp_virtual_stages)  # Pipeline parallelism: its chunks only

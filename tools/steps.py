@@ -509,19 +509,19 @@ MOE_FILE, EP = "moe.py", "expert_parallel.py"
 # Step 15: the layer on one rank first (its routing, its losses, their way out), then the
 # exchange across ranks and the plan that puts it in.
 MOE_BLANKS = (
-    Blank(MOE_FILE, "MixtureOfExperts.forward",
+    Blank(MOE_FILE, "MixtureOfExperts.route",
           "the router's logits in fp32, softmax over E, top k, the weights divided by their "
           "sum; the N k slots sorted by expert (a stable argsort), each slot's token as a row, "
           "the rows per expert (bincount); self.exchange(self, rows, counts); the rows back in "
           "slot order, times their weights, summed over the k slots, in x's dtype; while grad "
-          "is enabled, AttachLoss of self.scale x router_losses, the counts and self.record on "
-          "the output"),
+          "is enabled, AttachLoss of self.scale x router_losses, the counts (summed over "
+          "tp_group when there is one) and self.record on the output"),
     Blank(MOE_FILE, "MixtureOfExperts.router_losses",
-          "per sequence: its token slots per expert and its router probabilities summed over "
-          "T, both summed over sequence_group when there is one (the probabilities through "
-          "Reduce(Copy(...)); T times its size); balance E sum_e (slots / T) (sums / T), z the "
-          "mean over T of logsumexp(logits)^2; the mean over the sequences of aux_loss_coef "
-          "balance + z_loss_coef z"),
+          "per sequence: its token slots per expert, its router probabilities and its "
+          "logsumexp(logits)^2 summed over T; for each (group, averaged) of sequence_groups, the "
+          "slots all-reduced, the two sums through Reduce (after Copy where averaged), T times "
+          "the group's size; balance E sum_e (slots / T) (probabilities / T), z the squares / "
+          "T; the mean over the sequences of aux_loss_coef balance + z_loss_coef z"),
     Blank(MOE_FILE, "AttachLoss.backward",
           "add ctx.facts to ctx.record; the gradient as it is, ones like the loss, None, None"),
     Blank(EP, "AllToAll.backward",
@@ -640,6 +640,8 @@ STEPS = [
                       ("ep2_dp4", 4, (*MOE, "--dp_size", "4", "--bucket_size_mb", "0.05", *EP2),
                        4),
                       ("ep2_dp2_tp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--tp_size", "2"), 2),
+                      ("moe_tp2_sp", 2, (*MOE, *SP2), 1),
+                      ("ep2_dp2_tp2_sp", 4, (*MOE, *DP2_BUCKETS, *EP2, *SP2), 2),
                       ("ep2_dp2_pp2", 4, (*MOE, *DP2_BUCKETS, *EP2, *PP2, "1f1b"), 2),
                       ("ep2_dp2_pp2_zb1_full", 4,
                        (*MOE, *DP2_BUCKETS, *EP2, *ZB1, "--recompute", "full"), 2),
