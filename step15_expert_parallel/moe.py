@@ -296,6 +296,19 @@ def router_stats(model, pgm):
     return {"router_loss": loss, "expert_load": loads.tolist(), "load_max_over_mean": balance}
 
 
+def load_table(record):
+    """The step's expert loads (`router_stats`), one line per layer: each expert's share of the
+    token slots as a bar of tenths, and the busiest over the mean."""
+    lines = ["expert load, each expert's share of the layer's token slots:"]
+    for layer, (loads, ratio) in enumerate(
+        zip(record["expert_load"], record["load_max_over_mean"], strict=True)
+    ):
+        total = sum(loads) or 1.0
+        shares = "  ".join(f"{e} {'#' * round(10 * n / total):<10}" for e, n in enumerate(loads))
+        lines.append(f"  layer {layer:<3} {shares}  max/mean {ratio:.2f}")
+    return "\n".join(lines)
+
+
 def active_flops_per_token(config, dense_flops):
     """`dense_flops` (utils.flops_per_token, one MLP per layer) with each layer's MLP counted k
     times and its router once: the FLOPs a token costs."""

@@ -18,6 +18,7 @@ from moe import (
     apply_moe,
     check_moe,
     is_moe,
+    load_table,
     router_stats,
     set_router_losses,
 )
@@ -402,6 +403,8 @@ def main(argv=None):
             run.record.update(router_stats(model, pgm))
         if run.should_validate():
             run.record["val_loss"] = evaluate(ctx, state)
+            if is_moe(config):  # with each validation: how evenly the experts were loaded
+                log(load_table(run.record))
         if step == run.start_step + 1:  # AdamW creates its moments at the first step
             run.record["held_bytes"] = log_held_bytes(model, optimizer, wrapped)
         run.log_step()
