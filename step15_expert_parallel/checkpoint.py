@@ -300,8 +300,12 @@ def check_model(path, index, model):
     saved = {name: entry["shape"] for name, entry in index["model"].items()}
     if saved != full:
         different = sorted(k for k in saved.keys() & full.keys() if saved[k] != full[k])
+        shape = f"{config.num_hidden_layers} layers"
+        if getattr(config, "num_local_experts", 0):  # a mixture of experts (moe.py)
+            E, k = config.num_local_experts, config.num_experts_per_tok
+            shape = f"{E} experts of {k} per token, {shape}"
         raise ValueError(
-            f"{path} holds another model than this one ({config.num_hidden_layers} layers, "
+            f"{path} holds another model than this one ({shape}, "
             f"hidden_size {config.hidden_size}, intermediate_size {config.intermediate_size}, "
             f"{config.num_attention_heads} heads, {config.num_key_value_heads} key/value heads, "
             f"vocab_size {config.vocab_size}, tie_word_embeddings "

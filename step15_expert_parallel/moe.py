@@ -67,10 +67,13 @@ def check_moe(config, args):
     Mixtral does, or cannot split as asked."""
     ep = args.ep_size
     if not is_moe(config):
-        if ep > 1:
+        given = [f"--ep_size {ep}"] if ep > 1 else []
+        given += ["--aux_loss_coef"] if args.aux_loss_coef is not None else []
+        given += ["--z_loss_coef"] if args.z_loss_coef else []
+        if given:
             raise ValueError(
-                f"--ep_size {ep} splits the experts of a mixture-of-experts model; this one is "
-                f"dense (no num_local_experts): use --ep_size 1, or --model_name tiny-moe"
+                f"{' and '.join(given)} apply to a mixture-of-experts model; this one is dense "
+                f"(no num_local_experts): drop them, or use --model_name tiny-moe"
             )
         return
     E, k = config.num_local_experts, config.num_experts_per_tok
