@@ -188,24 +188,57 @@ def prune_checkpoints(save_dir, keep):
         shutil.rmtree(doomed)
 
 
-def lr_factor(warmup_steps, max_steps):
-    """The learning rate's factor at each step: linear warm-up over `warmup_steps`, then cosine
-    decay to 10 % at `max_steps`."""
+def lr_factor(args, max_steps):
+    """The learning rate's factor at each step: linear warm-up over --warmup_steps, then down to
+    10 % at `max_steps`: a cosine, or with --lr_schedule wsd (warmup-stable-decay) flat until the
+    last --decay_fraction of the steps, then a straight line. WSD's rate does not depend on the
+    length of the run until its decay: a checkpoint taken before it can be trained on for longer,
+    or decayed early, without starting again."""
+    warmup = args.warmup_steps
+    decay_start = max(warmup, max_steps - round(args.decay_fraction * max_steps))
 
     def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_schedule == "wsd":
+            progress = (step - decay_start) / max(1, max_steps - decay_start)
+            return 1.0 - 0.9 * min(1.0, max(0.0, progress))
+        progress = (step - warmup) / max(1, max_steps - warmup)
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
 
 
 def warmup_cosine(optimizer, args):
-    """--learning_rate after a linear warm-up over --warmup_steps, then cosine decay to 10 % at
-    --max_steps (a resume may move the last step: `Run.resumed` gives the schedule the new one)."""
-    factor = lr_factor(args.warmup_steps, args.max_steps)
+    """--learning_rate after a linear warm-up over --warmup_steps, then the --lr_schedule down to
+    10 % at --max_steps (a resume may move the last step: `Run.resumed` gives the schedule the new
+    one)."""
+    factor = lr_factor(args, args.max_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class EarlyStop:
+    """--early_stop_patience N: the run stops, saving its last step, once N validations in a row
+    have not lowered the best validation loss so far. The count starts again after a resume."""
+
+    def __init__(self, args):
+        self.patience, self.best, self.best_step, self.waited = args.early_stop_patience, None, 0, 0
+        self.stopped = False
+
+    def check(self, step, val_loss):
+        if not self.patience:
+            return
+        if self.best is None or val_loss < self.best:
+            self.best, self.best_step, self.waited = val_loss, step, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            self.stopped = True
+            log(
+                f"step {step}: the validation loss has not gone below {self.best:.4f} (step "
+                f"{self.best_step}) in {self.waited} validations: stopping early "
+                f"(--early_stop_patience {self.patience})"
+            )
 
 
 class NonFiniteGuard:
@@ -318,6 +351,7 @@ class Run:
         self.stop_signal, self.stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
         self.metrics = self.profiler = self.comm = None
         self.guard = NonFiniteGuard(args)
+        self.early_stop = EarlyStop(args)
         self.checkpoints = Checkpoints(args, device, pgm.dp_size if replicas is None else replicas)
 
     def resumed(self, step, optimizer, scheduler, tokens):
@@ -350,7 +384,7 @@ class Run:
         rate, to the bit). Says so when the rate changes, as when a run is extended."""
         args, step = self.args, self.start_step
         saved = optimizer.param_groups[0]["lr"]
-        factor = lr_factor(args.warmup_steps, self.max_steps)
+        factor = lr_factor(args, self.max_steps)
         scheduler.lr_lambdas = [factor for _ in optimizer.param_groups]
         rate = args.learning_rate * factor(step)
         scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
@@ -420,6 +454,7 @@ class Run:
         self.metrics.write(record)
         if "val_loss" in record:
             log(f"step {self.step}/{self.max_steps} | validation loss {record['val_loss']:.4f}")
+            self.early_stop.check(self.step, record["val_loss"])
         if self.step % args.log_every == 0 or self.last():
             flops_per_second = self.flops * record["tokens_per_second"]
             log(
@@ -432,14 +467,15 @@ class Run:
     def should_save(self):
         """Every save_every steps, at the last step, and when SIGTERM came to some rank (the
         step's facts)."""
-        return self.checkpoints.due(self.step, self.last(), self.stopped)
+        last = self.last() or self.early_stop.stopped  # an early stop keeps its last step
+        return self.checkpoints.due(self.step, last, self.stopped)
 
     def save(self, write, *args):
         """`write(*args)` writes the checkpoint if the disk holds it, after --keep_last prunes."""
         self.checkpoints.save(self.step, self.optimizer, lambda: write(*args))
 
     def should_stop(self):
-        return self.stopped
+        return self.stopped or self.early_stop.stopped
 
     def close(self):
         """After the loop. A run shorter than the profiler's schedule writes what it recorded."""

@@ -33,6 +33,7 @@ AT_LEAST_ONE = [
 ]
 ABOVE_ZERO = ["learning_rate", "grad_clip", "dist_timeout_s"]
 ZERO_OR_MORE = ["weight_decay", "warmup_steps", "eval_every", "sample_tokens"]
+ZERO_OR_MORE += ["early_stop_patience"]
 
 
 def make_parser(description):
@@ -53,6 +54,16 @@ def make_parser(description):
     train.add_argument("--max_steps", type=int, default=250)
     train.add_argument("--learning_rate", type=float, default=3e-3)
     train.add_argument("--warmup_steps", type=int, default=10)
+    train.add_argument(
+        "--lr_schedule",
+        choices=["cosine", "wsd"],
+        default="cosine",
+        help="after the warm-up, down to 10 %% at the last step: cosine, or warmup-stable-decay "
+        "(flat, then linear over the last --decay_fraction of the steps)",
+    )
+    train.add_argument(
+        "--decay_fraction", type=float, default=0.2, help="wsd: the steps that decay, a fraction"
+    )
     train.add_argument("--weight_decay", type=float, default=0.1)
     train.add_argument("--grad_clip", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=42)
@@ -97,6 +108,13 @@ def make_parser(description):
     )
     data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
     data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")
+    data.add_argument(
+        "--early_stop_patience",
+        type=int,
+        default=0,
+        help="stop (and save) when the validation loss has not improved for this many "
+        "validations in a row (0: never)",
+    )
     data.add_argument("--sample_prompt", default="Once upon a time")
     data.add_argument("--sample_tokens", type=int, default=60)
     run = parser.add_argument_group("checkpoints and logging")
@@ -144,6 +162,10 @@ def parse(parser, argv, tokens_per_step):
     for name in ZERO_OR_MORE:
         if not getattr(args, name) >= 0:
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if not 0 < args.decay_fraction <= 1:
+        parser.error(f"--decay_fraction must be above 0 and at most 1, got {args.decay_fraction}")
+    if args.early_stop_patience and not args.eval_every:
+        parser.error("--early_stop_patience counts validations: it needs --eval_every above 0")
     if args.profile and args.max_steps < 3:
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.keep_last is not None and not args.save_dir:

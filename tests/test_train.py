@@ -149,3 +149,33 @@ def test_the_run_reads_the_flags_and_its_questions_change_nothing(tmp_path):
     finally:
         dist.destroy_process_group()
     assert vars(args) == given
+
+
+def test_wsd_holds_the_rate_until_its_decay_then_falls_in_a_line():
+    """--lr_schedule wsd: the warm-up, the peak held until the last --decay_fraction of the
+    steps, then a straight line to 10 % at the last; during the warm-up, the cosine's factors."""
+    train = import_step("step3_dataloader", "train")
+    bookkeeping = sys.modules["bookkeeping"]
+    flags = ["--max_steps", "100", "--warmup_steps", "10", "--decay_fraction", "0.2"]
+    wsd = bookkeeping.lr_factor(train.parse_args([*flags, "--lr_schedule", "wsd"]), 100)
+    cosine = bookkeeping.lr_factor(train.parse_args(flags), 100)
+    assert [wsd(step) for step in range(10)] == [cosine(step) for step in range(10)]
+    assert [wsd(step) for step in (10, 50, 80)] == [1.0, 1.0, 1.0]  # stable until step 80
+    assert wsd(90) == pytest.approx(0.55) and wsd(100) == pytest.approx(0.1)  # 20 steps of decay
+    assert cosine(50) < 1.0 and cosine(100) == pytest.approx(0.1)
+
+
+def test_early_stopping_stops_and_saves_once_the_validation_loss_stalls(tmp_path):
+    """--early_stop_patience 1 at a learning rate too high to improve: the first validation that
+    is not below the best stops the run there, saved, with its sample; without it the run goes
+    on to --max_steps."""
+    save_dir = tmp_path / "ckpt"
+    flags = ["--eval_every", "2", "--learning_rate", "0.05", "--save_dir", str(save_dir)]
+    result = step3(tmp_path, *flags, "--early_stop_patience", "1", steps=12)
+    stopped = max(losses(result.stdout))
+    assert stopped < 12 and stopped % 2 == 0, result.stdout
+    assert "stopping early (--early_stop_patience 1)" in result.stdout
+    assert (save_dir / "latest").read_text() == f"step_{stopped:06d}"
+    assert "sample:" in result.stdout
+    whole = step3(tmp_path / "whole", "--eval_every", "2", "--learning_rate", "0.05", steps=12)
+    assert max(losses(whole.stdout)) == 12
