@@ -176,12 +176,15 @@ def folder_bytes(folder):
 
 
 def prune_checkpoints(save_dir, keep):
-    """Remove all but the newest `keep` checkpoints, never the one `latest` names nor one being
-    written (.step_*.tmp). Each goes by a rename first, so a crash leaves it whole or hidden."""
-    save_dir, latest = Path(save_dir), latest_checkpoint(save_dir)
+    """Remove all but the newest `keep` checkpoints, never one that `latest` or `best` names nor
+    one being written (.step_*.tmp). Each goes by a rename first, so a crash leaves it whole or
+    hidden."""
+    save_dir = Path(save_dir)
+    named = {(save_dir / name).read_text().strip() for name in ["latest", "best"]
+             if (save_dir / name).is_file()}  # fmt: skip
     done = sorted(p for p in save_dir.glob("step_*") if p.is_dir())
     for path in done[: max(0, len(done) - keep)]:
-        if latest is None or path.name != latest.name:
+        if path.name not in named:
             doomed = path.with_name(f".{path.name}.deleting")
             os.replace(path, doomed)
     for doomed in save_dir.glob(".step_*.deleting"):
@@ -218,18 +221,22 @@ def warmup_cosine(optimizer, args):
 
 
 class EarlyStop:
-    """--early_stop_patience N: the run stops, saving its last step, once N validations in a row
-    have not lowered the best validation loss so far. The count starts again after a resume."""
+    """--early_stopping_patience N: the run stops, saving its last step, once N validations in a
+    row have not lowered the best validation loss so far; with --save_dir each validation that
+    does is saved, and the file `best` names it. The count starts again after a resume."""
 
     def __init__(self, args):
-        self.patience, self.best, self.best_step, self.waited = args.early_stop_patience, None, 0, 0
-        self.stopped = False
+        self.patience, self.best, self.best_step = args.early_stopping_patience, None, 0
+        self.waited, self.stopped, self.improved = 0, False, False
 
     def check(self, step, val_loss):
-        if not self.patience:
+        """After each step, with its validation loss (None: the step did not validate)."""
+        self.improved = False
+        if not self.patience or val_loss is None:
             return
         if self.best is None or val_loss < self.best:
             self.best, self.best_step, self.waited = val_loss, step, 0
+            self.improved = True
             return
         self.waited += 1
         if self.waited >= self.patience:
@@ -237,7 +244,7 @@ class EarlyStop:
             log(
                 f"step {step}: the validation loss has not gone below {self.best:.4f} (step "
                 f"{self.best_step}) in {self.waited} validations: stopping early "
-                f"(--early_stop_patience {self.patience})"
+                f"(--early_stopping_patience {self.patience})"
             )
 
 
@@ -288,12 +295,17 @@ class Checkpoints:
         every = step % self.args.save_every == 0
         return bool(self.args.save_dir) and (every or last or stopped)
 
-    def save(self, step, optimizer, write):
-        """Older checkpoints beyond --keep_last go first, then `write()` if the disk holds it."""
+    def save(self, step, optimizer, write, best=False):
+        """Older checkpoints beyond --keep_last go first, then `write()` if the disk holds it;
+        `best`: the `best` file then names it (the best validation loss so far)."""
         if self.args.keep_last and dist.get_rank() == 0:  # room for the one about to be written
             prune_checkpoints(self.args.save_dir, self.args.keep_last - 1)
         if self.disk_holds_one(step, optimizer):
             write()
+            if best and dist.get_rank() == 0:
+                path = Path(self.args.save_dir) / "best"
+                path.with_name(".best.tmp").write_text(f"step_{step:06d}")
+                os.replace(path.with_name(".best.tmp"), path)  # atomic, like `latest`
 
     def disk_holds_one(self, step, optimizer):
         """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
@@ -454,7 +466,7 @@ class Run:
         self.metrics.write(record)
         if "val_loss" in record:
             log(f"step {self.step}/{self.max_steps} | validation loss {record['val_loss']:.4f}")
-            self.early_stop.check(self.step, record["val_loss"])
+        self.early_stop.check(self.step, record.get("val_loss"))
         if self.step % args.log_every == 0 or self.last():
             flops_per_second = self.flops * record["tokens_per_second"]
             log(
@@ -467,12 +479,14 @@ class Run:
     def should_save(self):
         """Every save_every steps, at the last step, and when SIGTERM came to some rank (the
         step's facts)."""
-        last = self.last() or self.early_stop.stopped  # an early stop keeps its last step
+        # An early stop keeps its last step, and its best one, saved when it came.
+        last = self.last() or self.early_stop.stopped or self.early_stop.improved
         return self.checkpoints.due(self.step, last, self.stopped)
 
     def save(self, write, *args):
         """`write(*args)` writes the checkpoint if the disk holds it, after --keep_last prunes."""
-        self.checkpoints.save(self.step, self.optimizer, lambda: write(*args))
+        best = self.early_stop.improved
+        self.checkpoints.save(self.step, self.optimizer, lambda: write(*args), best)
 
     def should_stop(self):
         return self.stopped or self.early_stop.stopped

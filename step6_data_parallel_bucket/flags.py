@@ -33,7 +33,7 @@ AT_LEAST_ONE = [
 ]
 ABOVE_ZERO = ["learning_rate", "grad_clip", "dist_timeout_s"]
 ZERO_OR_MORE = ["weight_decay", "warmup_steps", "eval_every", "sample_tokens"]
-ZERO_OR_MORE += ["early_stop_patience"]
+ZERO_OR_MORE += ["early_stopping_patience"]
 
 
 def make_parser(description):
@@ -109,7 +109,7 @@ def make_parser(description):
     data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
     data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")
     data.add_argument(
-        "--early_stop_patience",
+        "--early_stopping_patience",
         type=int,
         default=0,
         help="stop (and save) when the validation loss has not improved for this many "
@@ -164,8 +164,8 @@ def parse(parser, argv, tokens_per_step):
             parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
     if not 0 < args.decay_fraction <= 1:
         parser.error(f"--decay_fraction must be above 0 and at most 1, got {args.decay_fraction}")
-    if args.early_stop_patience and not args.eval_every:
-        parser.error("--early_stop_patience counts validations: it needs --eval_every above 0")
+    if args.early_stopping_patience and not args.eval_every:
+        parser.error("--early_stopping_patience counts validations: it needs --eval_every above 0")
     if args.profile and args.max_steps < 3:
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.keep_last is not None and not args.save_dir:

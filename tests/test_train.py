@@ -166,16 +166,25 @@ def test_wsd_holds_the_rate_until_its_decay_then_falls_in_a_line():
 
 
 def test_early_stopping_stops_and_saves_once_the_validation_loss_stalls(tmp_path):
-    """--early_stop_patience 1 at a learning rate too high to improve: the first validation that
-    is not below the best stops the run there, saved, with its sample; without it the run goes
+    """--early_stopping_patience 1 at a learning rate too high to improve: the first validation
+    that is not below the best stops the run there, saved, with its sample; the best one was
+    saved when it came, `best` names it and --keep_last 1 keeps it; without the flag the run goes
     on to --max_steps."""
     save_dir = tmp_path / "ckpt"
     flags = ["--eval_every", "2", "--learning_rate", "0.05", "--save_dir", str(save_dir)]
-    result = step3(tmp_path, *flags, "--early_stop_patience", "1", steps=12)
+    flags += ["--keep_last", "1", "--log_file", str(tmp_path / "log.jsonl")]
+    result = step3(tmp_path, *flags, "--early_stopping_patience", "1", steps=12)
     stopped = max(losses(result.stdout))
     assert stopped < 12 and stopped % 2 == 0, result.stdout
-    assert "stopping early (--early_stop_patience 1)" in result.stdout
+    assert "stopping early (--early_stopping_patience 1)" in result.stdout
     assert (save_dir / "latest").read_text() == f"step_{stopped:06d}"
+    validated = {
+        r["step"]: r["val_loss"] for r in read_log(tmp_path / "log.jsonl") if "val_loss" in r
+    }
+    best = min(validated, key=validated.get)
+    assert best < stopped and (save_dir / "best").read_text() == f"step_{best:06d}"
+    kept = sorted(p.name for p in save_dir.glob("step_*"))
+    assert kept == [f"step_{best:06d}", f"step_{stopped:06d}"]
     assert "sample:" in result.stdout
     whole = step3(tmp_path / "whole", "--eval_every", "2", "--learning_rate", "0.05", steps=12)
     assert max(losses(whole.stdout)) == 12
