@@ -13,7 +13,8 @@ holds their expert, and the results come back:
 3. each local expert runs on the rows it received from every rank (regrouped by expert);
 4. combine: the all-to-all back, each row to the rank it came from, in the order it left.
 
-No row is dropped (no capacity), so the layer computes exactly what one device computes.
+No row is dropped (no capacity), so the layer computes what one device computes, row for row
+(to the rounding of a matmul over another number of rows).
 Backward runs the two all-to-alls the other way (`AllToAll`): each row's gradient goes back to
 the rank that computed it, then to the rank it came from. PyTorch's plain
 dist.all_to_all_single is not known to autograd: with it the graph would end at the rows that
@@ -103,8 +104,3 @@ def apply_expert_parallel(model, pgm):
                 place(linear, "weight", Held("ep", pgm.ep_rank))
         moe.exchange = partial(exchange, pgm.ep_group)
     return model
-
-
-def is_expert(placed):
-    """Whether a parameter (placement.Placed) is an expert's, held by one ep rank."""
-    return "ep" in placed.axes
