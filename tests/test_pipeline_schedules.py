@@ -310,6 +310,22 @@ def test_zb1_trains_exactly_like_1f1b(trained, layout):
     assert len(mine) == 6
 
 
+def test_zb1_with_tied_embeddings_trains_exactly_like_1f1b(tmp_path):
+    """Tied embeddings at pp 2: the first stage's embedding and the last stage's lm_head are two
+    copies whose gradients are summed after the step's last W (the lookup's own, deferred whole,
+    and lm_head's). ZB-H1 and 1F1B give every loss and gradient norm bit for bit."""
+    config = convergence.tied_config("tiny", tmp_path / "tied")
+    common = [*FOUR, "--model_name", str(config), "--max_steps", "3", "--eval_every", "0"]
+    common += ["--gradient_accumulation_steps", "4", "--sample_tokens", "0", "--num_proc", "1"]
+    records = {}
+    for engine in ["zb1", "1f1b"]:
+        log = tmp_path / f"{engine}.jsonl"
+        flags = [*common, "--pp_size", "2", "--pp_engine", engine, "--log_file", str(log)]
+        check(run_step(S14, flags, nproc=2))
+        records[engine] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(log)]
+    assert records["zb1"] == records["1f1b"] and len(records["zb1"]) == 3
+
+
 def test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere(tmp_path):
     """Saved at step 2 by interleaved pp 2 x 2 chunks; steps 3 and 4 on one process, and at pp 2
     with 1F1B and with ZB-H1 (each rank one chunk of two layers), are the interleaved run's."""
