@@ -18,6 +18,7 @@ from conftest import ROOT, TINY, check, import_step, read_log, run_step, spawn, 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
 import export_hf  # noqa: E402
+import sample  # noqa: E402
 
 S15 = "step15_expert_parallel"
 moe_lib = import_step(S15, "moe")
@@ -155,7 +156,7 @@ def test_the_router_losses_reach_the_router_through_any_output():
 
 def test_a_checkpoint_goes_to_transformers_and_back(tmp_path):
     """A run's checkpoint, exported, loads in MixtralForCausalLM; --init_from_hf's reader loads
-    that folder into our model: the same logits."""
+    that folder into our model, and tools/sample.py the checkpoint itself: the same logits."""
     run = tmp_path / "run"
     args = [*TINY, "--model_name", "tiny-moe", "--max_steps", "2", "--save_dir", str(run)]
     check(run_step(S15, [*args, "--save_every", "2", "--sample_tokens", "0"]))
@@ -165,8 +166,12 @@ def test_a_checkpoint_goes_to_transformers_and_back(tmp_path):
     moe_lib.apply_moe(model)
     hf_import.load_hf_weights(model, tmp_path / "hf")
     ids = torch.randint(0, reference.config.vocab_size, (2, 16))
+    # tools/sample.py merges the run's checkpoint itself and fuses the experts as transformers
+    # holds them: the same model.
+    merged = sample.build_model(*export_hf.load_merged_state_dict(run), torch.device("cpu"))
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids), reference(ids).logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(merged(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 ### The exchange across ranks

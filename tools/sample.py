@@ -2,7 +2,8 @@
 
 The shards are merged in this one process (load_merged_state_dict in export_hf.py), so a
 checkpoint that eight ranks wrote samples on a laptop. The model is transformers' own
-LlamaForCausalLM, so this tool depends on no step folder.
+LlamaForCausalLM (MixtralForCausalLM for step 15's mixture of experts), so this tool depends on no
+step folder.
 
     python tools/sample.py checkpoints/run --prompt "Once upon a time" --temperature 0
 """
@@ -22,7 +23,7 @@ from export_hf import (
     load_merged_state_dict,
     resolve_tokenizer,
 )
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM, MixtralForCausalLM
 
 
 def parse_args(argv=None):
@@ -55,11 +56,32 @@ def resolve_device(name):
     return torch.device(name)
 
 
+def fuse_experts(state_dict, config):
+    """A Mixtral checkpoint's experts (step 15: each expert's w1, w3 and w2, as transformers saves
+    them) as MixtralForCausalLM holds them in memory: per layer, gate_up_proj (E, 2F, D), w1 then
+    w3 of each expert, and down_proj (E, D, F)."""
+    fused = {k: v for k, v in state_dict.items() if ".block_sparse_moe.experts." not in k}
+    for i in range(config.num_hidden_layers):
+        moe, E = f"model.layers.{i}.block_sparse_moe", config.num_local_experts
+        weight = lambda e, w, moe=moe: state_dict[f"{moe}.experts.{e}.{w}.weight"]  # noqa: E731
+        prefix = f"model.layers.{i}.mlp"
+        fused[f"{prefix}.gate.weight"] = fused.pop(f"{moe}.gate.weight")
+        fused[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weight(e, "w1"), weight(e, "w3")]) for e in range(E)]
+        )
+        fused[f"{prefix}.experts.down_proj"] = torch.stack([weight(e, "w2") for e in range(E)])
+    return fused
+
+
 def build_model(state_dict, config, device):
-    """transformers' Llama holding the merged weights. Loading is strict, so a key that the
-    merge got wrong fails here instead of leaving a randomly initialised weight."""
+    """transformers' Llama (or Mixtral, for a mixture of experts) holding the merged weights.
+    Loading is strict, so a key that the merge got wrong fails here instead of leaving a randomly
+    initialised weight."""
+    moe = config.model_type == "mixtral"
     with device:
-        model = LlamaForCausalLM(config)
+        model = (MixtralForCausalLM if moe else LlamaForCausalLM)(config)
+    if moe:
+        state_dict = fuse_experts(state_dict, config)
     if config.tie_word_embeddings:  # the model lists the shared table under both names
         state_dict = {**state_dict, LM_HEAD: state_dict[EMBED]}
     model.load_state_dict(state_dict, strict=True)
