@@ -137,8 +137,16 @@ def test_expert_exchange_agrees_with_torchs_all_to_all_and_one_rank(run):
     assert row["ok"]
 
 
+def test_zero3_equals_fsdp2(run):
+    """Step 12's ZeRO-3 and FSDP2 resharded after forward: every rank's rows of every averaged
+    gradient, then of every parameter after the update, and every loss, to the bit."""
+    row = run("zero3")[("ours", "FSDP2")]
+    assert checks(row)[" grad"] == 0.0 and checks(row)[" param"] == 0.0, row
+    assert checks(row)[" loss"] == 0.0 and row["ok"]
+
+
 def test_table_shows_every_comparison(run):
-    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1", "ep"]
+    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1", "ep", "zero3"]
     assert sorted(parts) == sorted(bench.WORLD)
     rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)

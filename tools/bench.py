@@ -43,7 +43,7 @@ WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  #
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parts = "model,dp,tp,pp,zero,sp,interleaved,zb1,ep"
+    parts = "model,dp,tp,pp,zero,zero3,sp,interleaved,zb1,ep"
     parser.add_argument("--parts", default=parts, help="which, in order (or cp)")
     parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
     for name in bench_parts.OVERRIDES:

@@ -881,6 +881,91 @@ def compare_cp(args, device):
 
 
 ### end Ring attention
+def compare_zero3(args, device):
+    """ZeRO-3 (step 12's FullyShardedDataParallel: each parameter's rows cut over dp, each layer
+    gathered around its forward and again for its backward, its gradient reduce-scattered as soon
+    as backward completes it, the next layer's gather in flight meanwhile) against FSDP2
+    (`fully_shard` on every layer and the model, resharded after forward: the same stage 3).
+    Both reduce-scatter every micro-batch's gradients (FSDP2 told to sync on each) and run AdamW
+    on their shards. Each rank takes every dp_size-th micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    step = part_step("zero3")
+    model_module = import_step(step, "model")
+    fully_sharded = import_step(step, "fully_sharded")
+    pipeline = import_step(step, "pipeline_parallel")
+    pgm_module = import_step(step, "process_group_manager")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pgm = pgm_module.ProcessGroupManager(tp_size=1, pp_size=1, dp_size=world)
+    config = load_config(args)
+    inputs, targets = make_batch(config, args, device)
+    mine = split(inputs, targets, args.micro_batches)[rank::world]
+
+    with torch.device("meta"):  # as step 12's build_model: the pieces only, then the seed's
+        sharded = model_module.LlamaForCausalLM(config)
+        pipeline.keep_stage(sharded, pgm)
+        fully_sharded.shard_parameters(sharded, pgm, ("dp",))
+    sharded.to_empty(device=device)
+    sharded.tie_weights()
+    sharded.init_weights(args.seed)
+    ours = fully_sharded.FullyShardedDataParallel(
+        pipeline.PipelineParallel(sharded), sharded, pgm, ("dp",)
+    )
+    ours_optimizer = adamw(ours.shard(list(sharded.parameters())))
+    fsdp = replica(model_module, config, args, device)
+    for layer in fsdp.model.layers:
+        fully_shard(layer)
+    fully_shard(fsdp)
+    fsdp_optimizer = adamw(fsdp.parameters())
+
+    def ours_backward():
+        ours_optimizer.zero_grad(set_to_none=True)
+        loss = accumulate(ours, mine)
+        ours.finish_gradient_synchronization()
+        return loss
+
+    def fsdp_backward():
+        fsdp_optimizer.zero_grad(set_to_none=True)
+        return accumulate(fsdp, mine)
+
+    def ours_step():
+        loss = ours_backward()
+        ours_optimizer.step()
+        return loss
+
+    def fsdp_step():
+        loss = fsdp_backward()
+        fsdp_optimizer.step()
+        return loss
+
+    def difference(what):
+        """The largest |Δ| between this rank's rows of every parameter's `what` (its gradient or
+        itself), ours against FSDP2's, relative to FSDP2's largest, over the ranks."""
+        get = (lambda p: p.grad) if what == "grad" else (lambda p: p.detach())
+        theirs = {name: get(p).full_tensor() for name, p in fsdp.named_parameters()}
+        diff, size = 0.0, max(t.abs().max().item() for t in theirs.values())
+        for placed in fully_sharded.placed_parameters(sharded):
+            full = theirs[placed.name]
+            rows = full.shape[0] // world
+            piece = full[rank * rows : (rank + 1) * rows]
+            diff = max(diff, (get(placed.param) - piece).abs().max().item())
+        return (f" {what}", all_ranks_max(diff / size), 1e-6)
+
+    # The first step, checked: each rank's rows of every averaged gradient, then of every
+    # parameter after the update, ours against FSDP2's.
+    ours_backward()
+    fsdp_backward()
+    check = [difference("grad")]
+    ours_optimizer.step()
+    fsdp_optimizer.step()
+    check.append(difference("param"))
+    sides = {"ours": ours_step, "FSDP2": fsdp_step}
+    times, losses = alternate(sides, args, device)
+    check.append((" loss", loss_difference(losses, "ours", "FSDP2"), 1e-5))
+    part = f"ZeRO-3, dp {world}, {args.micro_batches} micro-batches"
+    return [row(part, "ours", "FSDP2", times, check)]
+
+
 def compare_ep(args, device):
     """Expert parallelism's exchange (step 15) against the same exchange through PyTorch's
     all-to-all with autograd (`all_to_all_single_autograd`, torch.distributed's functional
@@ -968,3 +1053,4 @@ def compare_ep(args, device):
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
 PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}
 PARTS |= {"interleaved": compare_interleaved, "zb1": compare_zb1, "ep": compare_ep}
+PARTS |= {"zero3": compare_zero3}

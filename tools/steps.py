@@ -606,7 +606,7 @@ STEPS = [
                       ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
                       ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
                       ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2)),
-         blanks=ZERO3_BLANKS, graded=ZERO3_GRADED),
+         bench={"zero3": 2}, blanks=ZERO3_BLANKS, graded=ZERO3_GRADED),
     Step("step13_sequence_parallel",
          ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
           "train.py", "README.md"),
