@@ -275,34 +275,50 @@ def set_router_losses(model, args, scale):
         moe.aux_loss_coef, moe.z_loss_coef, moe.scale = aux, args.z_loss_coef, scale
 
 
+CAPACITY_FACTOR = 1.25  # for the log only: what a layer with a capacity would have dropped
+
+
 def router_stats(model, pgm):
     """For the step's record, from what each MoE layer recorded in the step's backwards: the
     router's losses (their mean over the micro-batches and the dp x cp ranks, summed over the
-    layers of every stage), and each layer's rows per expert, over the whole batch, with the
-    busiest expert's load over the mean (1.0: even)."""
+    layers of every stage); each layer's rows per expert, over the whole batch, with the
+    busiest expert's load over the mean (1.0: even); and the share of the rows that a layer with
+    a capacity (Switch Transformer's, GShard's: each expert takes at most CAPACITY_FACTOR x its
+    even share of a micro-batch's rows, the rest dropped) would have dropped. Here none is."""
     config = model.config
-    loads = torch.zeros(config.num_hidden_layers, config.num_local_experts)
-    losses = torch.zeros(())
+    E = config.num_local_experts
+    loads = torch.zeros(config.num_hidden_layers, E)
+    totals = torch.zeros(3)  # the losses, the rows over capacity, all the rows
     for name, moe in model.named_modules():
         if isinstance(moe, MixtureOfExperts):
             layer = int(name.split(".")[2])  # model.layers.3.mlp
             for loss, counts in moe.record:
-                losses += loss.cpu()
-                loads[layer] += counts.cpu()
+                counts = counts.float().cpu()
+                capacity = int(CAPACITY_FACTOR * counts.sum().item() / E)
+                over = (counts - capacity).clamp(min=0).sum()
+                totals += torch.stack([loss.cpu(), over, counts.sum()])
+                loads[layer] += counts
             moe.record.clear()
     device = next(model.parameters()).device
-    both = torch.cat([losses.view(1), loads.view(-1)]).to(device)
+    both = torch.cat([totals, loads.view(-1)]).to(device)
     dist.all_reduce(both, group=pgm.pp_group)  # each stage its layers
     dist.all_reduce(both, group=pgm.dp_cp_group)  # each replica its share of the batch
-    loss, loads = both[0].item() / (pgm.dp_size * pgm.cp_size), both[1:].view_as(loads).cpu()
+    both = both.cpu()
+    loss, dropped = both[0].item() / (pgm.dp_size * pgm.cp_size), (both[1] / both[2]).item()
+    loads = both[3:].view_as(loads)
     balance = (loads.max(dim=1).values / loads.mean(dim=1)).tolist()
-    return {"router_loss": loss, "expert_load": loads.tolist(), "load_max_over_mean": balance}
+    record = {"router_loss": loss, "expert_load": loads.tolist(), "load_max_over_mean": balance}
+    return {**record, f"dropped_at_capacity_{CAPACITY_FACTOR}": dropped}
 
 
 def load_table(record):
     """The step's expert loads (`router_stats`), one line per layer: each expert's share of the
     token slots as a bar of tenths, and the busiest over the mean."""
-    lines = ["expert load, each expert's share of the layer's token slots:"]
+    dropped = record[f"dropped_at_capacity_{CAPACITY_FACTOR}"]
+    lines = [
+        f"expert load, each expert's share of the layer's token slots (with a capacity of "
+        f"{CAPACITY_FACTOR} x the even share, {100 * dropped:.1f} % of them would be dropped):"
+    ]
     for layer, (loads, ratio) in enumerate(
         zip(record["expert_load"], record["load_max_over_mean"], strict=True)
     ):

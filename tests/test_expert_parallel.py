@@ -304,6 +304,10 @@ def test_every_layout_trains_like_one_process(trained):
         for got, want in zip(trained[name], trained["baseline"], strict=True):
             assert abs(got["router_loss"] - want["router_loss"]) <= 1e-5 * want["router_loss"]
             assert got["expert_load"] == want["expert_load"], name
+            # A capacity counts each rank's micro-batch: a cp rank holds half of its rows.
+            if "cp" not in name:
+                assert got["dropped_at_capacity_1.25"] == want["dropped_at_capacity_1.25"], name
+    assert 0.0 < trained["baseline"][0]["dropped_at_capacity_1.25"] < 1.0
 
 
 EXPERTS_OVER_EDP = """
