@@ -150,6 +150,8 @@ def save_checkpoint(ctx, state, step):
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()  # rank 0's device
         state = {"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict()}
+        if getattr(model, "expert_bias", None) is not None:  # the MoE's balancing bias (moe.py)
+            state["expert_bias"] = model.expert_bias.cpu()
         state.update(batch=batch, rng=rng)
         torch.save(state, tmp / "trainer_state.pt")
         if final.exists():  # saving the same step again, after a resume
@@ -374,6 +376,8 @@ def load_checkpoint(path, index, model, optimizer, scheduler, loader, zero):
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr  # the scheduler's state alone does not set the optimizer's rate
     loader.load_state_dict(trainer["data"])
+    if "expert_bias" in trainer and getattr(model, "expert_bias", None) is not None:
+        model.expert_bias.copy_(trainer["expert_bias"])
     # Every rank gets rank 0's random state (all ranks seed alike), whatever the layout.
     torch.set_rng_state(trainer["rng"]["cpu"])
     if "cuda" in trainer["rng"] and torch.cuda.is_available():

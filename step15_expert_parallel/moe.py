@@ -70,6 +70,7 @@ def check_moe(config, args):
         given = [f"--ep_size {ep}"] if ep > 1 else []
         given += ["--aux_loss_coef"] if args.aux_loss_coef is not None else []
         given += ["--z_loss_coef"] if args.z_loss_coef else []
+        given += ["--expert_bias_rate"] if args.expert_bias_rate else []
         if given:
             raise ValueError(
                 f"{' and '.join(given)} apply to a mixture-of-experts model; this one is dense "
@@ -162,6 +163,8 @@ class MixtureOfExperts(nn.Module):
         # are averaged (cp's, like dp's) or each rank's counts whole (sequence parallelism's tp).
         self.sequence_groups = ()
         self.tp_group = None  # sequence parallelism: each tp rank routes its own tokens
+        # The balancing bias: its row of the model's (add_expert_bias); not a weight to save.
+        self.register_buffer("bias", torch.zeros(E), persistent=False)
 
     def forward(self, x):
         with gradients_summed(self, self.tp_group):
@@ -171,7 +174,10 @@ class MixtureOfExperts(nn.Module):
         B, T, D = x.shape
         logits = self.gate(x).float()  # (B, T, E)
         probs = logits.softmax(dim=-1)  # (B, T, E)
-        top, index = probs.topk(self.top_k, dim=-1)  # (B, T, k)
+        # The experts chosen with the balancing bias (zero unless --expert_bias_rate), weighed
+        # without it: the bias steers the load, not the sum.
+        index = (probs + self.bias).topk(self.top_k, dim=-1).indices  # (B, T, k)
+        top = probs.gather(-1, index)  # (B, T, k)
         weights = top / top.sum(dim=-1, keepdim=True)  # (B, T, k)
         # The N k slots (slot j of token n at n k + j) grouped by expert, each slot's token a row.
         experts = index.view(-1)  # (N k,)
@@ -326,6 +332,31 @@ def load_table(record):
         shares = "  ".join(f"{e} {'#' * round(10 * n / total):<10}" for e, n in enumerate(loads))
         lines.append(f"  layer {layer:<3} {shares}  max/mean {ratio:.2f}")
     return "\n".join(lines)
+
+
+def add_expert_bias(model, device):
+    """Loss-free balancing (DeepSeek-V3's): a bias per layer and expert, added to the router's
+    probabilities where the experts are chosen (not where they are weighed), raised for the
+    experts below their even share of the step's rows and lowered for those above
+    (`update_expert_bias`). The whole table lives on every rank, one row per layer, each MoE layer
+    routing with its own; the checkpoint keeps it. Call it once the model is on `device`."""
+    config = model.config
+    model.expert_bias = torch.zeros(
+        config.num_hidden_layers, config.num_local_experts, device=device
+    )
+    for name, moe in model.named_modules():
+        if isinstance(moe, MixtureOfExperts):
+            moe.bias = model.expert_bias[int(name.split(".")[2])]  # model.layers.3.mlp
+
+
+@torch.no_grad()
+def update_expert_bias(model, loads, rate):
+    """Once per optimizer step, after every micro-batch: each bias moves by `rate` towards the
+    even load, from the rows every expert got over the whole batch (`router_stats`, summed over
+    every rank that shares it), so that every rank moves alike. Per micro-batch, or from one
+    rank's rows, the bias would follow how the batch is cut."""
+    loads = torch.tensor(loads, device=model.expert_bias.device)  # (L, E)
+    model.expert_bias += rate * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
 
 
 def active_flops_per_token(config, dense_flops):

@@ -15,12 +15,14 @@ from expert_parallel import apply_expert_parallel, check_expert_parallel
 from moe import (
     MODEL_TYPES,
     active_flops_per_token,
+    add_expert_bias,
     apply_moe,
     check_moe,
     is_moe,
     load_table,
     router_stats,
     set_router_losses,
+    update_expert_bias,
 )
 
 from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
@@ -144,6 +146,10 @@ def parse_args(argv=None):
         help="load-balancing loss coefficient (default: the config's router_aux_loss_coef)",
     )  # fmt: skip
     parser.add_argument("--z_loss_coef", type=float, default=0.0, help="router z-loss coefficient")
+    parser.add_argument(
+        "--expert_bias_rate", type=float, default=0.0,
+        help="loss-free balancing: how far each expert's routing bias moves per step (0: off)",
+    )  # fmt: skip
     ### end Expert parallelism
     args = parse(parser, argv, tokens_per_step)
     if args.cp_size > 1:  # below 1: check_sizes refuses it
@@ -156,6 +162,8 @@ def parse_args(argv=None):
     check_schedule(parser, args)
     check_recompute(parser, args)
     check_expert_parallel(parser, args)
+    if args.expert_bias_rate < 0:
+        parser.error(f"--expert_bias_rate must be 0 or more, got {args.expert_bias_rate}")
     return args
 
 
@@ -362,6 +370,8 @@ def main(argv=None):
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
+    if is_moe(config):  # the balancing bias, zero until --expert_bias_rate moves it
+        add_expert_bias(model, device)
     ### begin Pipeline parallelism
     # This stage's forward, chunk by chunk: evaluation and sampling use it too.
     layers = rank_chunks(config.num_hidden_layers, pgm.pp_rank, pgm.pp_size, args.pp_virtual_stages)
@@ -401,6 +411,8 @@ def main(argv=None):
         run.end(facts, state.train_loader.position * args.seq_len)
         if is_moe(config):  # the router's losses and each layer's rows per expert
             run.record.update(router_stats(model, pgm))
+            if args.expert_bias_rate and facts.finite:  # once per step, from the whole batch
+                update_expert_bias(model, run.record["expert_load"], args.expert_bias_rate)
         if run.should_validate():
             run.record["val_loss"] = evaluate(ctx, state)
             if is_moe(config):  # with each validation: how evenly the experts were loaded

@@ -360,10 +360,10 @@ def test_a_bug_injected_fails_the_comparison(tmp_path, trained, bug, patch):
 
 def test_a_checkpoint_of_experts_on_two_ranks_resumes_in_any_layout(tmp_path):
     """Saved at step 2 by ep 2 over dp 4 with ZeRO-3 (each expert's rows cut over its two
-    ranks); steps 3 and 4 on one process with every expert, at ep 2 over dp 2 with ZeRO-1, and
-    at ep 4 over dp 4, are the saving run's."""
+    ranks), the balancing bias moving; steps 3 and 4 on one process with every expert, at ep 2
+    over dp 2 with ZeRO-1, and at ep 4 over dp 4, are the saving run's."""
     common = [*TINY, *MOE, "--max_steps", "4", "--eval_every", "0", "--sample_tokens", "0"]
-    common += ["--num_proc", "1"]
+    common += ["--num_proc", "1", "--expert_bias_rate", "0.01"]  # the bias, in the checkpoint
     save, log = tmp_path / "saved", tmp_path / "saved.jsonl"
     args = [*common, "--dp_size", "4", "--ep_size", "2", "--zero_stage", "3"]
     args += ["--gradient_accumulation_steps", "1", "--save_every", "2", "--save_dir", str(save)]
@@ -389,6 +389,48 @@ def test_a_checkpoint_of_experts_on_two_ranks_resumes_in_any_layout(tmp_path):
         for got, want in zip(records, first[2:], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), name
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), name
+
+
+BIAS_PER_MICRO_BATCH = """
+import torch
+import moe
+
+correct = moe.MixtureOfExperts.route
+
+def route(self, x):
+    y = correct(self, x)
+    if torch.is_grad_enabled():  # the bug: each micro-batch moves the bias, from its own rows
+        experts = (x.float() @ self.gate.weight.float().t()).softmax(-1) + self.bias
+        chosen = experts.topk(self.top_k, -1).indices.view(-1)
+        counts = torch.bincount(chosen, minlength=len(self.bias))
+        self.bias += 0.01 * torch.sign(counts.float().mean() - counts)
+    return y
+
+moe.MixtureOfExperts.route = route
+moe.update_expert_bias = lambda *args: None
+import train
+train.update_expert_bias = moe.update_expert_bias
+"""
+
+
+def test_the_balancing_bias_moves_once_per_step_from_the_whole_batch(tmp_path, trained):
+    """--expert_bias_rate 0.01: ep 2 over dp 2 trains like one process with the same rate, and the
+    bias changes the routing (the loads leave those of the run without it). Moved by each
+    micro-batch from its own rows instead, on every rank, the runs part."""
+    common = [*COMMON, "--expert_bias_rate", "0.01"]
+    base = convergence.run(BASELINE, [*common, *MOE], tmp_path / "base", env=ENV)
+    [layout] = [lay for lay in convergence.step_layouts(15, 4) if lay.name == "ep2_dp2"]
+    comparison = convergence.compare(convergence.run(layout, common, tmp_path, env=ENV), base)
+    assert comparison.ok, comparison.problems
+    assert base[0]["expert_load"] == trained["baseline"][0]["expert_load"]  # zero at step 1
+    assert base[-1]["expert_load"] != trained["baseline"][-1]["expert_load"]
+    launcher = tmp_path / "launch.py"
+    patch = BIAS_PER_MICRO_BATCH
+    launcher.write_text(convergence.LAUNCHER.format(bug="bias") + patch + "\ntrain.main()\n")
+    records = convergence.run(layout, common, tmp_path / "bug", env=ENV, launcher=launcher)
+    buggy = convergence.compare(records, base)
+    print(f"\n{convergence.table({'ep2_dp2 + the bias per micro-batch': buggy})}")
+    assert not buggy.ok
 
 
 ### Refused before the first step
