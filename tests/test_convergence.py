@@ -166,12 +166,14 @@ def test_tied_pp2_resumes_like_one_process(tmp_path, tied_baseline, tied_runs):
 def test_unknown_bug_and_odd_accumulation_are_refused():
     with pytest.raises(ValueError, match="unknown bug 'typo'"):
         convergence.inject("typo")
-    with pytest.raises(ValueError, match="accumulation=3 is odd"):
+    with pytest.raises(ValueError, match=r"accumulation=3: the layout \w+ takes accumulation / 2"):
         convergence.default_layouts(3)
     with pytest.raises(ValueError, match="accumulation=3 is odd"):
         convergence.tied_layouts(3)
-    with pytest.raises(ValueError, match="accumulation=3 is odd"):
+    with pytest.raises(ValueError, match=r"accumulation=3: the layout \w+ takes accumulation / 2"):
         convergence.zero1_layouts(3)
+    with pytest.raises(ValueError, match="the layout ep2_dp4 takes accumulation / 4"):
+        convergence.moe_layouts(2)
 
 
 def test_zero1_and_cp_pick_their_steps_layouts(capsys):

@@ -16,6 +16,7 @@ shows from the first step.
     python tools/convergence.py --tied --num_hidden_layers 5 --steps 10   # tied embeddings
     python tools/convergence.py --zero1              # the sharded optimizer (step 10), in 3D too
     python tools/convergence.py --cp                 # context parallelism (step 11), in 4D too
+    python tools/convergence.py --moe --gradient_accumulation_steps 4 --steps 20   # step 15
 
 `inject(bug)` (the CLI's `--bug NAME`) writes a launcher that runs a step's train.py with one
 known bug patched in from outside, the step's files untouched, to show that the comparison
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP9 = "step9_3d_parallel"
 STEP10 = "step10_zero1"
 STEP11 = "step11_context_parallel"
+STEP15 = "step15_expert_parallel"
 OVERRIDES = [
     "num_hidden_layers",
     "hidden_size",
@@ -72,7 +74,8 @@ def step_layouts(number, accumulation):
     for name, nproc, flags, divisor in step_entry(number).convergence:
         if accumulation % divisor:
             raise ValueError(
-                f"accumulation={accumulation} is odd: the dp_size=2 layouts take accumulation / 2"
+                f"accumulation={accumulation}: the layout {name} takes accumulation / {divisor} "
+                f"(its dp_size), which must be whole; use a multiple of {divisor}"
             )
         layouts.append(
             Layout(name, step_entry(number).folder, nproc, flags, accumulation // divisor)
@@ -147,6 +150,16 @@ def zero1_layouts(accumulation):
     """Step 10's layouts: the optimizer state sharded over 2 dp ranks, alone, with tp 2, and in
     3D (small buckets, so that shards cut parameters)."""
     return step_layouts(10, accumulation)
+
+
+def moe_layouts(accumulation):
+    """Step 15's layouts: the mixture of experts (tiny-moe) with its experts split over 2 ranks,
+    and with every other axis; against the same MoE on one process, `moe_baseline`."""
+    return step_layouts(15, accumulation)
+
+
+def moe_baseline(accumulation):
+    return Layout("baseline", STEP15, 1, ("--model_name", "tiny-moe"), accumulation)
 
 
 def cp_layouts(accumulation):
@@ -447,6 +460,7 @@ def parse_args(argv):
     tied_names = [layout.name for layout in tied_layouts(2)]
     cp_names = [layout.name for layout in cp_layouts(2)]
     zero1_names = [layout.name for layout in zero1_layouts(2)]
+    moe_names = [layout.name for layout in moe_layouts(4)]
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="flags after -- go to every train.py: -- --dataset_name roneneldan/TinyStories",
@@ -457,7 +471,7 @@ def parse_args(argv):
         "--layouts",
         help=f"comma-separated, default all: {','.join(names)} (with --tied: "
         f"{','.join(tied_names)}; with --cp: {','.join(cp_names)}; with --zero1: "
-        f"{','.join(zero1_names)})",
+        f"{','.join(zero1_names)}; with --moe: {','.join(moe_names)})",
     )
     parser.add_argument(
         "--bug",
@@ -479,6 +493,12 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--zero1", action="store_true", help="run step 10's sharded-optimizer layouts instead"
+    )
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="run step 15's expert-parallel layouts instead, against the same mixture of "
+        "experts on one process (--gradient_accumulation_steps a multiple of 4)",
     )
     for name in OVERRIDES:
         parser.add_argument(f"--{name}", type=int)
@@ -502,21 +522,21 @@ def parse_args(argv):
         f"layout, the rest in another from its checkpoint",
     )
     args = parser.parse_args(argv)
-    if args.tied + args.cp + args.zero1 > 1:
-        parser.error("--tied, --cp and --zero1 pick different layouts: give one of them")
-    for flag in ["cp", "zero1"]:
+    if args.tied + args.cp + args.zero1 + args.moe > 1:
+        parser.error("--tied, --cp, --zero1 and --moe pick different layouts: give one of them")
+    for flag in ["cp", "zero1", "moe"]:
         if args.bug and getattr(args, flag):
             parser.error(
                 f"--bug {args.bug} breaks {BUGS[args.bug][0]}, not a --{flag} layout: no --{flag}"
             )
     kind = tied_layouts if args.tied else cp_layouts if args.cp else default_layouts
-    kind = zero1_layouts if args.zero1 else kind
+    kind = zero1_layouts if args.zero1 else moe_layouts if args.moe else kind
     try:
         layouts = kind(args.gradient_accumulation_steps)
     except ValueError as error:
         parser.error(str(error))
     names = tied_names if args.tied else cp_names if args.cp else names
-    names = zero1_names if args.zero1 else names
+    names = zero1_names if args.zero1 else moe_names if args.moe else names
     if args.layouts:
         wanted = args.layouts.split(",")
         unknown = sorted(set(wanted) - set(names))
@@ -550,7 +570,8 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     launcher = inject(args.bug, out_dir) if args.bug else None  # the baseline runs without it
     runs, results, failures = {}, {}, {}
-    for layout in [baseline_layout(args.gradient_accumulation_steps), *layouts]:
+    first = moe_baseline if args.moe else baseline_layout  # the same model on one process
+    for layout in [first(args.gradient_accumulation_steps), *layouts]:
         start = time.perf_counter()
         bug = launcher if layout.name != "baseline" else None
         note = f" with the bug {args.bug}" if bug else ""
