@@ -461,6 +461,8 @@ def test_bf16_at_ep2_trains_like_one_process_in_bf16(tmp_path):
         (["--dp_size", "2", "--ep_size", "2"], 2, "--ep_size 2 apply to a mixture-of-experts"),
         (["--z_loss_coef", "0.001"], 1, "--z_loss_coef apply to a mixture-of-experts model"),
         (["--ep_size", "0"], 1, "--ep_size must be at least 1"),
+        ([*MOE, "--expert_bias_rate", "-1"], 1, "--expert_bias_rate must be 0 or more, got -1.0"),
+        (["--expert_bias_rate", "0.01"], 1, "--expert_bias_rate apply to a mixture-of-experts"),
     ],
 )
 def test_what_cannot_work_is_refused(flags, nproc, message):
