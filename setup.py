@@ -10,7 +10,7 @@ from setuptools import setup
 setup(
     name="pico3d",
     version="0.1.0",
-    description="Distributed training of Llama models in eleven steps, from one device to 4D",
+    description="Distributed training of Llama models in fifteen steps, from one device to 5D",
     python_requires=">=3.10",
     packages=[],
     install_requires=[
@@ -21,6 +21,7 @@ setup(
         "safetensors>=0.4",
         "wandb>=0.17",
         "numpy",
+        "pyyaml",  # run files (--config)
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "matplotlib"],  # matplotlib: the plot tools' tests

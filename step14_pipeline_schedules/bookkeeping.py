@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from checkpoint import latest_checkpoint
 from comm_stats import CommStats
@@ -45,13 +46,15 @@ class MetricsLog:
         self.file, self.wandb = None, None
         if dist.get_rank() != 0:
             return
+        write_run_file(args)
         if args.log_file:
             Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(args.log_file, "a" if append else "w")
         if args.use_wandb:
             import wandb  # only needed with --use_wandb; WANDB_MODE=offline works without network
 
-            self.wandb = wandb.init(project="pico3d", name=args.run_name, config=vars(args))
+            flags = args.resolved_flags
+            self.wandb = wandb.init(project="pico3d", name=args.run_name, config=flags)
 
     def write(self, record):
         if self.file:
@@ -65,6 +68,18 @@ class MetricsLog:
             self.file.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def write_run_file(args):
+    """The run's flags, as the run file and the command line resolved them, as YAML: run.yaml in
+    --save_dir and NAME.run.yaml beside --log_file NAME.jsonl. `--config` of it repeats the run."""
+    paths = [Path(args.save_dir) / "run.yaml"] if args.save_dir else []
+    if args.log_file:
+        paths.append(Path(args.log_file).with_suffix(".run.yaml"))
+    text = yaml.safe_dump(args.resolved_flags, sort_keys=False)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def start_profiler(folder, device):

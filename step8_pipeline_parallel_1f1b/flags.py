@@ -2,10 +2,18 @@
 
 A step's train.py adds its technique's flags to the group it gets back from `make_parser` and
 checks them itself; everything here is the same in every step from step 3 on.
+
+A run file (`--config run.yaml`, or JSON) holds flags as keys, `seq_len: 512`; the command line
+overrides it. Every run writes its flags as resolved into run.yaml beside its checkpoints and its
+log (bookkeeping), so that `--config` of that file repeats the run.
 """
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
+import yaml
 from transformers import AutoConfig
 
 from utils import ArgumentParser, check_output_path
@@ -132,6 +140,11 @@ def make_parser(description):
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
     run.add_argument("--profile", metavar="DIR", help="trace steps 3-5 with torch.profiler")
+    run.add_argument(
+        "--config",
+        metavar="RUN_FILE",
+        help="a YAML or JSON file of flags (key: value); flags on the command line override it",
+    )
     return parser, parallel
 
 
@@ -146,7 +159,14 @@ def add_trace_flag(group, flag, what):
 def parse(parser, argv, tokens_per_step):
     """Parse and check the shared flags. `tokens_per_step(args)`: the tokens of one optimizer
     step, which --max_tokens is counted in."""
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_run_file(parser, argv))
+    # What the run file written beside the checkpoints holds: the flags as given, before the
+    # checks below fill in defaults and paths. Not --resume, which says how this run started.
+    args.resolved_flags = {
+        a.dest: getattr(args, a.dest)
+        for a in parser._actions
+        if a.option_strings and a.dest not in ("help", "config", "resume")
+    }
     if args.save_every is not None and not args.save_dir:
         parser.error("--save_every needs --save_dir, the folder to save to")
     args.save_every = 100 if args.save_every is None else args.save_every
@@ -191,6 +211,58 @@ def parse(parser, argv, tokens_per_step):
             )
         args.max_steps = min(args.max_steps, args.max_tokens // args.tokens_per_step)
     return args
+
+
+def with_run_file(parser, argv):
+    """The command line with --config's flags put first, so that those given on the command
+    line, parsed later, override them. A key that is not a flag, or a value that its flag would
+    refuse, is refused with the key's name before anything runs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    find = argparse.ArgumentParser(add_help=False)
+    find.add_argument("--config")
+    path = find.parse_known_args(argv)[0].config
+    if path is None:
+        return argv
+    where, kind = f"--config {path}", "JSON" if path.endswith(".json") else "YAML"
+    try:
+        text = Path(path).read_text()
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except OSError as error:
+        parser.error(f"{where} cannot be read: {error.strerror}")
+    except (ValueError, yaml.YAMLError) as error:
+        parser.error(f"{where} is not valid {kind}: {error}")
+    if not isinstance(values, dict):
+        parser.error(f"{where} must map flag names to values; it holds {values!r:.60}")
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    flags = []
+    for key, value in values.items():
+        if key not in actions or key in ("help", "config"):
+            parser.error(f"{where}: {key!r} is not a flag of this step (--help lists them)")
+        flags += as_flags(parser, f"{where}: {key}", actions[key], value)
+    return flags + argv
+
+
+def as_flags(parser, where, action, value):
+    """One key of a run file as command-line words; None leaves the flag's default."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            parser.error(f"{where} must be true or false, got {value!r}")
+        return [flag] if value else []
+    if value is None:
+        return []
+    if isinstance(value, (bool, dict, list)):
+        parser.error(f"{where} must be one value of the flag's type, got {value!r}")
+    if action.nargs == "?" and value == action.const:  # a trace flag given alone
+        return [flag]
+    text = str(value)  # str of a float is its shortest exact form: the same float back
+    try:
+        typed = action.type(text) if action.type else text
+    except ValueError:
+        parser.error(f"{where} must be of type {action.type.__name__}, got {value!r}")
+    if action.choices and typed not in action.choices:
+        parser.error(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return [f"{flag}={text}"]  # with "=": a value that starts with "-" is not read as a flag
 
 
 def load_config(args, flag="--model_name", model_types=("llama",)):

@@ -99,6 +99,12 @@ def files(tmp_path_factory):
         (pp / f"model-pp{stage}-of-2-tp0-of-1.safetensors").write_bytes(weights.read_bytes())
     with open(pp / "model-pp1-of-2-tp0-of-1.safetensors", "r+b") as f:
         f.truncate(60)
+    # Run files (--config) with a key that is no flag, a value of the wrong type, a list.
+    runs = {"unknown.yaml": "seq_len: 32\nsequence_length: 8\n", "wrong.yaml": "seq_len: long\n"}
+    runs |= {"list.yaml": "- seq_len\n", "flag.json": '{"compile": "yes"}', "bad.json": "{x"}
+    runs |= {"choice.yaml": "lr_schedule: linear\n", "nested.yaml": "seq_len: [32, 64]\n"}
+    for name, text in runs.items():
+        (tmp / name).write_text(text)
     return tmp
 
 
@@ -120,6 +126,15 @@ CASES = [
         "--early_stopping_patience 2 --eval_every 0",
         "--early_stopping_patience counts validations: it needs --eval_every above 0",
     ),
+    (S3, "--config {tmp}/none.yaml", "--config {tmp}/none.yaml cannot be read: No such file"),
+    (S3, "--config {tmp}/unknown.yaml", "{tmp}/unknown.yaml: 'sequence_length' is not a flag"),
+    (S3, "--config {tmp}/wrong.yaml", "{tmp}/wrong.yaml: seq_len must be of type int, got 'long'"),
+    (S3, "--config {tmp}/list.yaml", "{tmp}/list.yaml must map flag names to values"),
+    (S3, "--config {tmp}/flag.json", "{tmp}/flag.json: compile must be true or false, got 'yes'"),
+    (S3, "--config {tmp}/bad.json", "--config {tmp}/bad.json is not valid JSON"),
+    (S3, "--config {tmp}/choice.yaml", "lr_schedule must be one of cosine, wsd, got 'linear'"),
+    (S3, "--config {tmp}/nested.yaml", "seq_len must be one value of the flag's type, got [32"),
+    (S4, "--config {tmp}/wrong.yaml", "{tmp}/wrong.yaml: seq_len must be of type int, got 'long'"),
     (S3, "--hidden_size 0", "--hidden_size must be at least 1, got 0"),
     (S3, "--num_attention_heads 3", "num_attention_heads=3 does not divide hidden_size=64"),
     (S3, "--num_key_value_heads 3", "num_key_value_heads=3 does not divide num_attention_heads=4"),

@@ -205,7 +205,8 @@ def test_keep_last_in_a_run(tmp_path):
     save_dir = tmp_path / "ckpt"
     args = [*RUN, "--max_steps", "4", "--save_dir", str(save_dir), "--save_every", "1"]
     check(run_step(S3, [*args, "--keep_last", "2"]))
-    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_000003", "step_000004"]
+    names = sorted(p.name for p in save_dir.iterdir())
+    assert names == ["latest", "run.yaml", "step_000003", "step_000004"]
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip_save"])

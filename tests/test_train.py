@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from conftest import TINY, check, import_step, read_log, run_step
 
 LOSS = re.compile(r"step (\d+)/\d+ \| loss ([0-9.]+)")
@@ -45,7 +46,12 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     save_dir = tmp_path / "ckpt"
     first = tmp_path / "first.jsonl"
     step3(tmp_path, "--save_dir", str(save_dir), "--save_every", "10", "--log_file", str(first))
-    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_000010", "step_000020"]
+    assert sorted(p.name for p in save_dir.iterdir()) == [
+        "latest",
+        "run.yaml",
+        "step_000010",
+        "step_000020",
+    ]
     assert (save_dir / "step_000010" / "config.json").is_file()
     # Pretend the run died after step 10: its latest checkpoint is step 10.
     (save_dir / "latest").write_text("step_000010")
@@ -80,6 +86,29 @@ def test_step3_resume_gives_identical_losses(tmp_path):
     result = step3(tmp_path, "--save_dir", str(save_dir), "--resume", "--log_file", str(again))
     assert "step 30 is at or past the last step, 20: nothing left to train" in result.stdout
     assert not [r for r in read_log(again) if "loss" in r]
+
+
+def test_a_run_file_repeats_the_command_lines_run(tmp_path):
+    """The run.yaml a run writes beside its log, given to --config (with another log file on the
+    command line, which overrides the file's), trains the same run to the bit."""
+    flags = ["--learning_rate", "2.5e-3", "--lr_schedule", "wsd", "--seed", "7", "--dp_size", "2"]
+    first = tmp_path / "first.jsonl"
+    step3(tmp_path, "--log_file", str(first), *flags, steps=4, nproc=2)
+    run_file = tmp_path / "first.run.yaml"
+    written = yaml.safe_load(run_file.read_text())
+    assert written["lr_schedule"] == "wsd" and written["learning_rate"] == 2.5e-3
+    assert written["seed"] == 7 and written["log_file"] == str(first)
+    again = tmp_path / "again.jsonl"
+    args = ["--config", str(run_file), "--log_file", str(again)]
+    check(run_step("step3_dataloader", args, nproc=2))
+    assert yaml.safe_load((tmp_path / "again.run.yaml").read_text()) == {
+        **written,
+        "log_file": str(again),
+    }
+    keys = ["step", "loss", "grad_norm", "lr", "tokens", "val_loss"]
+    expected = [{k: r.get(k) for k in keys} for r in read_log(first)]
+    assert [{k: r.get(k) for k in keys} for r in read_log(again)] == expected
+    assert len(expected) == 4 and expected[-1]["val_loss"] is not None
 
 
 def test_step3_log_file_and_loss_falls(tmp_path):
