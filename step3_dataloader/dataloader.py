@@ -4,13 +4,20 @@ Every document's tokens are followed by the end-of-text token and concatenated, 
 of T + 1 tokens: the inputs are the first T, the targets the last T (the same row shifted by one),
 so every position predicts the next token. The rows are served in a shuffled order that depends on
 the seed and the epoch only, so a run is reproducible and can resume from a position.
+
+A corpus too large to tokenise at every start is tokenised once by tools/prepare_data.py into a
+folder of token shards; --dataset_name FOLDER reads from them only the rows it serves
+(`TokenShards`), so a rank's memory does not grow with the corpus.
 """
 
 # B micro-batch size, T tokens per row
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
@@ -113,17 +120,135 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
     return rows.with_format("torch")
 
 
+### begin Token shards
+SHARD_INDEX = "shards.json"  # what tools/prepare_data.py writes last, once every shard is whole
+
+
+def shard_dtype(vocab_size):
+    """The smallest unsigned integer type that holds every token id."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def fingerprint(tokenizer):
+    """A short hash of the vocabulary (token -> id) and the end-of-text id: shards made with
+    another tokenizer have another one, whatever the tokenizer was called."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    text = json.dumps([vocab, tokenizer.eos_token_id])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class TokenShards:
+    """One split of a folder of token shards as rows of T + 1 tokens: the split's shards, read in
+    order, are one stream of tokens (documents joined by end-of-text), cut into rows from its
+    start; the tokens after the last whole row are not used. `rows[indices]["tokens"]` is (B, T+1),
+    as a tokenised dataset gives, and reads only those rows from the files, with positioned reads
+    rather than a memory map: a map's pages count in the process's resident memory once touched,
+    and after enough random rows that is the whole corpus."""
+
+    def __init__(self, folder, index, split, seq_len):
+        self.row, self.dtype = seq_len + 1, np.dtype(index["dtype"])
+        self.shards = []  # (first token, file descriptor, tokens)
+        first = 0
+        for shard in index["splits"][split]:
+            fd = os.open(Path(folder) / shard["file"], os.O_RDONLY)
+            self.shards.append((first, fd, shard["tokens"]))
+            first += shard["tokens"]
+        self.length = first // self.row
+
+    def __len__(self):
+        return self.length
+
+    def __del__(self):
+        for _, fd, _ in getattr(self, "shards", []):
+            os.close(fd)
+
+    def tokens(self, start, count):
+        """`count` tokens of the stream from `start`, across shard ends."""
+        parts, size = [], self.dtype.itemsize
+        for first, fd, tokens in self.shards:
+            if start < first + tokens and start + count > first:
+                begin, end = max(start - first, 0), min(start + count - first, tokens)
+                data = os.pread(fd, (end - begin) * size, begin * size)
+                parts.append(np.frombuffer(data, self.dtype))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, indices):
+        rows = [self.tokens(i * self.row, self.row) for i in indices]
+        return {"tokens": torch.from_numpy(np.stack(rows))}  # (B, T+1)
+
+
+def read_shard_index(folder, tokenizer, tokenizer_name):
+    """The index of a folder of token shards, checked against this run: made with this tokenizer,
+    every shard there and of the length the index gives (none cut short by a crash or a copy)."""
+    try:
+        index = json.loads((Path(folder) / SHARD_INDEX).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--dataset_name {folder}: cannot read {SHARD_INDEX}: {error}") from error
+    missing = [
+        k for k in ("tokenizer", "vocab_size", "fingerprint", "dtype", "splits") if k not in index
+    ]
+    if missing or index["dtype"] not in ("uint16", "uint32"):
+        why = f"has no {missing[0]!r}" if missing else f"names dtype {index['dtype']!r}"
+        raise ValueError(f"--dataset_name {folder}: its {SHARD_INDEX} {why}; prepare it again")
+    if index["fingerprint"] != fingerprint(tokenizer):
+        raise ValueError(
+            f"--dataset_name {folder} was tokenised with {index['tokenizer']!r} "
+            f"({index['vocab_size']} tokens), not with --tokenizer_name {tokenizer_name!r} "
+            f"({len(tokenizer)} tokens); give the tokenizer it was made with, or prepare it again"
+        )
+    if np.iinfo(index["dtype"]).max < len(tokenizer) - 1:
+        raise ValueError(
+            f"--dataset_name {folder}: its dtype {index['dtype']} cannot hold token ids up to "
+            f"{len(tokenizer) - 1}"
+        )
+    itemsize = np.dtype(index["dtype"]).itemsize
+    names = {shard["file"] for split in index["splits"].values() for shard in split}
+    extra = sorted(p.name for p in Path(folder).glob("*.bin") if p.name not in names)
+    if extra:
+        raise ValueError(f"--dataset_name {folder}: {extra[0]} is not in its {SHARD_INDEX}")
+    for shard in (shard for split in index["splits"].values() for shard in split):
+        path = Path(folder) / shard["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["tokens"] * itemsize:
+            what = "is missing" if size is None else f"holds {size:,} bytes"
+            raise ValueError(
+                f"--dataset_name {folder}: {shard['file']} {what}, but {SHARD_INDEX} says "
+                f"{shard['tokens']:,} tokens of {itemsize} bytes; prepare the folder again"
+            )
+    return index
+
+
+def load_shards(args, tokenizer):
+    """The training and validation rows of --dataset_name, a folder of token shards."""
+    index = read_shard_index(args.dataset_name, tokenizer, args.tokenizer_name)
+    splits = []
+    for name in ("train", "validation"):
+        splits.append(TokenShards(args.dataset_name, index, name, args.seq_len))
+        if len(splits[-1]) == 0:
+            raise ValueError(
+                f"--dataset_name {args.dataset_name}: its {name} split is too small for one row "
+                f"of seq_len + 1 = {args.seq_len + 1} tokens"
+            )
+    return splits
+
+
+### end Token shards
+
+
 def load_data(args, vocab_size):
     """--tokenizer_name, and --dataset_name's training and validation splits in rows of
-    --seq_len + 1 tokens."""
+    --seq_len + 1 tokens: tokenised here, or read from a folder of token shards."""
     tokenizer = load_tokenizer(args.tokenizer_name)
     if len(tokenizer) > vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
         )
-    train, validation = load_splits(args.dataset_name, args.seed)
-    train = tokenize(train, tokenizer, args.seq_len, args.num_proc)
-    validation = tokenize(validation, tokenizer, args.seq_len, args.num_proc)
+    if (Path(args.dataset_name) / SHARD_INDEX).is_file():
+        train, validation = load_shards(args, tokenizer)
+    else:
+        train, validation = load_splits(args.dataset_name, args.seed)
+        train = tokenize(train, tokenizer, args.seq_len, args.num_proc)
+        validation = tokenize(validation, tokenizer, args.seq_len, args.num_proc)
     log(f"data {args.dataset_name}: {len(train):,} training rows, {len(validation):,} validation")
     return tokenizer, train, validation
 

@@ -9,8 +9,9 @@ as needing a GPU, the network or two nodes is checked but not run; so are the
 convergence harness's commands (tests/test_convergence.py runs the harness) and the exercise
 tool's (tests/test_exercise.py runs it). tools/README.md
 contributes its convergence commands; its other examples name placeholder checkpoints. A tool
-that times what it measures (bench.py, activation_memory.py) runs one timed round: its agreement
-checks and its figures other than times are those of the command as written.
+that times what it measures (bench.py, activation_memory.py, data_bench.py) runs one timed
+round: its agreement checks and its figures other than times are those of the command as
+written (data_bench.py's shard sets are shrunk too).
 
 The commands of one README share a working folder, in order: a command that reads a checkpoint
 finds the one an earlier `--save_dir` command of the same README wrote there."""
@@ -213,6 +214,7 @@ def overrides(command, args):
 TIMED = {
     "tools/bench.py": {"--steps": "1", "--warmup": "0"},
     "tools/activation_memory.py": {"--repeats": "1"},
+    "tools/data_bench.py": {"--rounds": "1", "--batches": "10", "--sizes_mb": "1,2"},
 }
 
 

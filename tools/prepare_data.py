@@ -1,0 +1,313 @@
+"""Tokenise a corpus once, into a folder of token shards that every rank reads its rows from.
+
+    python tools/prepare_data.py --out_dir data/tinytales      # the embedded corpus, offline
+    python step3_dataloader/train.py --dataset_name data/tinytales
+
+Each split's documents are tokenised in order by --num_proc processes, each document followed by
+the end-of-text token, and written as one flat array of token ids (uint16 when the vocabulary
+fits, else uint32), cut into shards of about --shard_tokens tokens that end where a batch of
+documents ends: train_000000.bin, train_000001.bin, ..., validation_000000.bin. shards.json,
+written last, names the tokenizer, its vocabulary size and fingerprint, the dtype, and each
+shard's tokens and CRC-32; the trainer refuses shards of another tokenizer or cut short. The bytes
+do not depend on --num_proc.
+
+A local dataset is split as the trainer splits it (its validation split, or 1 % of train held out
+with --seed); a hub dataset is streamed (it never has to fit in memory or on disk; that needs the
+network), and without a validation split every 100th document is held out. A run stopped midway
+goes on from its last whole shard when started again with the same flags (a stream reads the
+documents before that point again, and skips them); a finished folder is checked and left as it is.
+"""
+
+# N tokens
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "step3_dataloader"))  # the trainer's own tokenizer and splits
+
+from dataloader import (  # noqa: E402
+    SHARD_INDEX,
+    fingerprint,
+    load_splits,
+    load_tokenizer,
+    resolve,
+    shard_dtype,
+)
+
+PROGRESS = "progress.json"  # while shards are being written: what is done, to go on from
+BATCH = 256  # documents per task of a tokenising process; a shard ends at a batch's end
+HELD_OUT = 100  # a streamed dataset without validation split: every 100th document is held out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--dataset_name", default="tinytales", help="assets/datasets/NAME, a path or hub id"
+    )
+    parser.add_argument(
+        "--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME, a path or hub"
+    )
+    parser.add_argument("--out_dir", required=True, help="the folder of shards to write")
+    parser.add_argument("--num_proc", type=int, default=2, help="tokenising processes")
+    parser.add_argument(
+        "--shard_tokens", type=int, default=100_000_000, help="tokens per shard, about"
+    )
+    parser.add_argument("--seed", type=int, default=42, help="the held-out 1 %%, as the trainer's")
+    parser.add_argument("--streaming", action="store_true", help="stream a local dataset too")
+    args = parser.parse_args(argv)
+    if args.num_proc < 1 or args.shard_tokens < 1:
+        parser.error(
+            f"--num_proc and --shard_tokens must be at least 1; got {args.num_proc} and "
+            f"{args.shard_tokens}"
+        )
+    return args
+
+
+### begin Documents
+def splits(args):
+    """The train and validation documents' texts, as two iterables of batches of texts."""
+    path = resolve(args.dataset_name, "datasets")
+    if Path(path).exists() and not args.streaming:
+        train, validation = load_splits(args.dataset_name, args.seed)  # refuses what cannot load
+        return {"train": in_batches(train), "validation": in_batches(validation)}
+    from datasets import load_dataset  # a stream: read as it is tokenised
+
+    try:
+        stream = load_dataset(path, streaming=True)
+    except Exception as error:  # datasets raises many kinds of error for an unreachable hub
+        raise ValueError(
+            f"could not stream the dataset {args.dataset_name!r} (a hub dataset needs the "
+            f"network): {type(error).__name__}: {error}"
+        ) from error
+    if "validation" in stream:
+        train, validation = (texts(stream[s]) for s in ("train", "validation"))
+    else:
+        train = (t for i, t in enumerate(texts(stream["train"])) if i % HELD_OUT != HELD_OUT - 1)
+        validation = itertools.islice(texts(stream["train"]), HELD_OUT - 1, None, HELD_OUT)
+    return {"train": batched(train), "validation": batched(validation)}
+
+
+def in_batches(dataset):
+    for start in range(0, len(dataset), BATCH):
+        yield dataset[start : start + BATCH]["text"]
+
+
+def texts(stream):
+    for document in stream:
+        if "text" not in document:
+            raise ValueError(f"the dataset has no 'text' column: its columns are {list(document)}")
+        yield document["text"]
+
+
+def batched(documents):
+    while batch := list(itertools.islice(documents, BATCH)):
+        yield batch
+
+
+### end Documents
+
+
+### begin Tokenising
+TOKENIZER = None  # each tokenising process loads its own
+
+
+def load_worker_tokenizer(name):
+    global TOKENIZER
+    TOKENIZER = load_tokenizer(name)
+
+
+def encode(batch):
+    """A batch of documents as one array of token ids, each document followed by end-of-text;
+    and how many documents it holds."""
+    ids = TOKENIZER(batch, add_special_tokens=False)["input_ids"]
+    eos = TOKENIZER.eos_token_id
+    return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.int64), len(batch)
+
+
+def checked(batches, split, first):
+    """The batches, each text checked to be a string, with the number of its first document."""
+    for number, batch in enumerate(batches):
+        for i, text in enumerate(batch):
+            if not isinstance(text, str):
+                document = first + number * BATCH + i
+                raise ValueError(
+                    f"the {split} split's document {document} is a {type(text).__name__}, not "
+                    f"text: {text!r:.60}"
+                )
+        yield batch
+
+
+### end Tokenising
+
+
+class Progress:
+    """One line of tokens, documents and tokens/s: rewritten in place on a terminal, else printed
+    every 10 seconds."""
+
+    def __init__(self, split, tokens, documents):
+        self.split, self.tokens, self.documents = split, tokens, documents
+        self.start_tokens, self.start = tokens, time.perf_counter()
+        self.shown, self.tty = self.start, sys.stderr.isatty()
+
+    def add(self, tokens, documents, force=False):
+        self.tokens, self.documents = self.tokens + tokens, self.documents + documents
+        now = time.perf_counter()
+        if force or self.tty or now - self.shown > 10:
+            rate = (self.tokens - self.start_tokens) / max(now - self.start, 1e-9)
+            line = f"{self.split}: {self.tokens:,} tokens, {self.documents:,} documents, "
+            line += f"{rate:,.0f} tokens/s"
+            print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr)
+            self.shown = now
+
+    def rate(self):
+        return (self.tokens - self.start_tokens) / max(time.perf_counter() - self.start, 1e-9)
+
+
+def write_atomic(path, data):
+    """The file whole or not at all: written under a temporary name, then renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_split(args, settings, state, split, batches, pool):
+    """Tokenise one split into shards, from where `state` says it stopped."""
+    done = state["splits"].setdefault(split, {"documents": 0, "shards": [], "finished": False})
+    if done["finished"]:
+        return None
+    assert done["documents"] % BATCH == 0, done  # every shard but a split's last ends a batch
+    out, first = Path(args.out_dir), done["documents"]
+    batches = checked(itertools.islice(batches, first // BATCH, None), split, first)
+    encoded = pool.imap(encode, batches) if pool else map(encode, batches)
+    progress = Progress(split, sum(s["tokens"] for s in done["shards"]), first)
+    buffer, documents = [], 0
+    for tokens, count in encoded:
+        buffer.append(tokens)
+        documents += count
+        progress.add(len(tokens), count)
+        if sum(len(b) for b in buffer) >= args.shard_tokens:
+            write_shard(out, state, split, np.concatenate(buffer), documents)
+            buffer, documents = [], 0
+    if buffer:
+        write_shard(out, state, split, np.concatenate(buffer), documents)
+    done["finished"] = True
+    write_atomic(out / PROGRESS, json.dumps(state).encode())
+    progress.add(0, 0, force=True)
+    if progress.tty:
+        print(file=sys.stderr)
+    return progress.rate()
+
+
+def write_shard(out, state, split, tokens, documents):
+    """The next shard of `split`, then the progress file that counts it."""
+    done = state["splits"][split]
+    data = tokens.astype(state["settings"]["dtype"]).tobytes()
+    name = f"{split}_{len(done['shards']):06d}.bin"
+    write_atomic(out / name, data)
+    done["shards"].append({"file": name, "tokens": len(tokens), "crc32": zlib.crc32(data)})
+    done["documents"] += documents
+    write_atomic(out / PROGRESS, json.dumps(state).encode())
+
+
+def check_shards(out, index):
+    """Every shard of a finished folder there, whole, and with its checksum."""
+    for shard in (s for split in index["splits"].values() for s in split):
+        path = out / shard["file"]
+        if not path.is_file() or zlib.crc32(path.read_bytes()) != shard["crc32"]:
+            raise ValueError(
+                f"{path} is missing or not what {SHARD_INDEX} says (its CRC-32 differs): "
+                f"remove the folder and prepare it again"
+            )
+
+
+def start_state(args, settings):
+    """Where to begin: a new folder, or the progress of a run stopped with the same flags; None
+    when the folder is already finished with them."""
+    out = Path(args.out_dir)
+    for name in (SHARD_INDEX, PROGRESS):
+        if (out / name).is_file():
+            state = json.loads((out / name).read_text())
+            if state["settings"] != settings:
+                differ = [k for k in settings if state["settings"].get(k) != settings[k]]
+                raise ValueError(
+                    f"--out_dir {out} holds shards made with other settings ({', '.join(differ)} "
+                    f"differ); give another folder, or remove it"
+                )
+            if name == SHARD_INDEX:
+                check_shards(out, state)
+                return None
+            return state
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out_dir {out} is not empty and holds no shards; give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return {"settings": settings, "splits": {}}
+
+
+def prepare(args):
+    """Write the shards; each split's tokens/s (None for a split done before), {} when finished."""
+    tokenizer = load_tokenizer(args.tokenizer_name)
+    settings = {
+        "dataset": args.dataset_name,
+        "tokenizer": args.tokenizer_name,
+        "vocab_size": len(tokenizer),
+        "fingerprint": fingerprint(tokenizer),
+        "dtype": shard_dtype(len(tokenizer)),
+        "shard_tokens": args.shard_tokens,
+        "seed": args.seed,
+        "streaming": args.streaming,
+    }
+    out = Path(args.out_dir)
+    state = start_state(args, settings)
+    if state is None:
+        print(f"{out} is finished and whole: nothing to do")
+        return {}
+    documents = splits(args)
+    pool = None
+    if args.num_proc > 1:
+        pool = multiprocessing.get_context().Pool(
+            args.num_proc, initializer=load_worker_tokenizer, initargs=(args.tokenizer_name,)
+        )
+    else:
+        load_worker_tokenizer(args.tokenizer_name)
+    try:
+        rates = {s: write_split(args, settings, state, s, documents[s], pool) for s in documents}
+    finally:
+        if pool:
+            pool.terminate()
+    index = {**settings, "splits": {s: d["shards"] for s, d in state["splits"].items()}}
+    for split, shards in index["splits"].items():
+        if not sum(s["tokens"] for s in shards):
+            raise ValueError(f"the dataset's {split} split has no documents")
+    write_atomic(out / SHARD_INDEX, json.dumps({"settings": settings, **index}, indent=1).encode())
+    (out / PROGRESS).unlink()
+    for split, shards in index["splits"].items():
+        tokens = sum(s["tokens"] for s in shards)
+        rate = f", {rates[split]:,.0f} tokens/s" if rates[split] else ""
+        print(
+            f"{out}: {split} {tokens:,} tokens in {len(shards)} shards of {settings['dtype']}, "
+            f"{state['splits'][split]['documents']:,} documents{rate}"
+        )
+    return rates
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        prepare(args)
+    except ValueError as error:
+        print(f"prepare_data.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
