@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from moe import mixtral_name
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moe import mixtral_name
 from pipeline_parallel import check_pipeline_parallel
 from placement import Held, first_holder, placed_parameters, starts
 from process_group_manager import AXES

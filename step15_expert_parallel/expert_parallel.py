@@ -34,9 +34,9 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from moe import run_experts
 from torch import nn
 
+from moe import run_experts
 from placement import Held, place
 
 

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from datasets import DatasetDict, load_dataset
 from transformers import AutoTokenizer
@@ -88,8 +89,15 @@ def load_splits(name, seed, text_column="text"):
     if "validation" not in splits:
         held_out = splits["train"].train_test_split(test_size=0.01, seed=seed)
         splits = DatasetDict(train=held_out["train"], validation=held_out["test"])
-    if text_column not in splits["train"].column_names:
-        raise ValueError(f"dataset {name!r} has no {text_column!r} column")
+    for split in ("train", "validation"):
+        if text_column not in splits[split].column_names:
+            raise ValueError(f"dataset {name!r} has no {text_column!r} column in its {split} split")
+        feature = splits[split].features[text_column]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(
+                f"dataset {name!r}: the {split} split's {text_column!r} column holds {feature}, "
+                f"not text"
+            )
     return splits["train"], splits["validation"]
 
 
@@ -117,6 +125,9 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
     )
     if len(rows) == 0:
         raise ValueError(f"the dataset is too small for one row of seq_len + 1 = {row} tokens")
+    tokens = rows.data.column("tokens")  # Arrow's own arrays: checked without a copy
+    if all(pc.all(pc.equal(chunk.flatten(), eos)).as_py() for chunk in tokens.chunks):
+        raise ValueError("the dataset's documents are all empty: its rows hold end-of-text only")
     return rows.with_format("torch")
 
 

@@ -15,6 +15,7 @@ from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_sto
 from checkpoint import load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
+from kv_cache import kv_cache
 from model import LlamaForCausalLM
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
@@ -181,12 +182,14 @@ def sample(ctx, state, top_k=20, temperature=0.8):
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
     prompt = tokenizer.encode(args.sample_prompt, add_special_tokens=False)
-    ids = torch.tensor([prompt], device=device)  # (1, T)
-    for _ in range(args.sample_tokens):
-        logits = Gather.apply(model(ids)[:, -1], pgm.tp_group).float() / temperature  # (1, V)
-        top, index = logits.topk(top_k)
-        choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
-        ids = torch.cat([ids, index.gather(-1, choice)], dim=1)
+    ids = new = torch.tensor([prompt], device=device)  # (1, T)
+    with kv_cache(model):  # the model sees each token once: the prompt, then one at a time
+        for _ in range(args.sample_tokens):
+            logits = Gather.apply(model(new)[:, -1], pgm.tp_group).float() / temperature  # (1, V)
+            top, index = logits.topk(top_k)
+            choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
+            new = index.gather(-1, choice)
+            ids = torch.cat([ids, new], dim=1)
     model.train()
     return tokenizer.decode(ids[0])
 

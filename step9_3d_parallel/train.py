@@ -18,6 +18,7 @@ from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
 from flags import add_trace_flag, load_config, make_parser, parse
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
+from kv_cache import kv_cache
 from model import LlamaForCausalLM
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
@@ -234,20 +235,21 @@ def sample(ctx, state, top_k=20, temperature=0.8):
     model.eval()
     generator = torch.Generator(device).manual_seed(args.seed)
     prompt = tokenizer.encode(args.sample_prompt, add_special_tokens=False)
-    ids = torch.tensor([prompt], device=device)  # (1, T)
-    for _ in range(args.sample_tokens):
-        ### begin Pipeline parallelism
-        shape = (1, ids.shape[1], hidden_size)
-        _, logits = forward_step(model, ids, shape, pgm, device)
-        token = torch.zeros((1, 1), dtype=ids.dtype, device=device)
-        if pgm.pp_is_last_stage:
-            logits = Gather.apply(logits[:, -1], pgm.tp_group).float() / temperature  # (1, V)
-            top, index = logits.topk(top_k)
-            choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
-            token = index.gather(-1, choice)
-        dist.broadcast(token, src=pgm.pp_group_ids[-1], group=pgm.pp_group)
-        ids = torch.cat([ids, token], dim=1)
-        ### end Pipeline parallelism
+    ids = new = torch.tensor([prompt], device=device)  # (1, T)
+    with kv_cache(model):  # the model sees each token once: the prompt, then one at a time
+        for _ in range(args.sample_tokens):
+            ### begin Pipeline parallelism
+            shape = (1, new.shape[1], hidden_size)  # each stage caches its own layers
+            _, logits = forward_step(model, new, shape, pgm, device)
+            new = torch.zeros((1, 1), dtype=ids.dtype, device=device)
+            if pgm.pp_is_last_stage:
+                logits = Gather.apply(logits[:, -1], pgm.tp_group).float() / temperature  # (1, V)
+                top, index = logits.topk(top_k)
+                choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
+                new = index.gather(-1, choice)
+            dist.broadcast(new, src=pgm.pp_group_ids[-1], group=pgm.pp_group)
+            ids = torch.cat([ids, new], dim=1)
+            ### end Pipeline parallelism
     model.train()
     return tokenizer.decode(ids[0])
 

@@ -105,6 +105,9 @@ def files(tmp_path_factory):
     runs |= {"choice.yaml": "lr_schedule: linear\n", "nested.yaml": "seq_len: [32, 64]\n"}
     for name, text in runs.items():
         (tmp / name).write_text(text)
+    (tmp / "numbers").mkdir()  # a dataset whose text column holds numbers
+    (tmp / "numbers" / "train.jsonl").write_text('{"text": 1}\n')
+    (tmp / "numbers" / "validation.jsonl").write_text('{"text": 2}\n')
     return tmp
 
 
@@ -135,6 +138,7 @@ CASES = [
     (S3, "--config {tmp}/choice.yaml", "lr_schedule must be one of cosine, wsd, got 'linear'"),
     (S3, "--config {tmp}/nested.yaml", "seq_len must be one value of the flag's type, got [32"),
     (S4, "--config {tmp}/wrong.yaml", "{tmp}/wrong.yaml: seq_len must be of type int, got 'long'"),
+    (S3, "--dataset_name {tmp}/numbers", "column holds Value('int64'), not text"),
     (S3, "--hidden_size 0", "--hidden_size must be at least 1, got 0"),
     (S3, "--num_attention_heads 3", "num_attention_heads=3 does not divide hidden_size=64"),
     (S3, "--num_key_value_heads 3", "num_key_value_heads=3 does not divide num_attention_heads=4"),

@@ -145,8 +145,17 @@ def test_zero3_equals_fsdp2(run):
     assert checks(row)[" loss"] == 0.0 and row["ok"]
 
 
+def test_kv_cache_generates_the_recomputed_and_transformers_tokens(run):
+    """Step 3's KV cache: the same greedy tokens as recomputing the prefix and as transformers'
+    generate with its cache."""
+    for theirs in ("recompute", "transformers"):
+        row = run("kv_cache")[("cached", theirs)]
+        assert checks(row)["tokens"] == 0.0 and row["ok"], row
+
+
 def test_table_shows_every_comparison(run):
-    parts = ["model", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1", "ep", "zero3"]
+    parts = ["model", "kv_cache", "dp", "tp", "pp", "zero", "cp", "sp", "interleaved", "zb1"]
+    parts += ["ep", "zero3"]
     assert sorted(parts) == sorted(bench.WORLD)
     rows = [row for part in parts for key, row in run(part).items() if isinstance(key, tuple)]
     text = bench.table(rows)

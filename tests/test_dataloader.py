@@ -151,3 +151,18 @@ def test_assets_are_where_the_defaults_point():
     assert (ROOT / "assets/datasets/tinytales/train.jsonl").is_file()
     assert (ROOT / "assets/tokenizers/tinytales/tokenizer.json").is_file()
     assert (ROOT / "assets/configs/tiny/config.json").is_file()
+
+
+def test_data_that_cannot_train_is_refused_naming_why(tmp_path, tokenizer):
+    """A text column of numbers, and documents that are all empty, are refused before any step."""
+    numbers = tmp_path / "numbers"
+    numbers.mkdir()
+    (numbers / "train.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
+    (numbers / "validation.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"the train split's 'text' column holds Value\('int64'\)"):
+        data_lib.load_splits(str(numbers), seed=0)
+    empty = Dataset.from_dict({"text": [""] * 100})
+    with pytest.raises(ValueError, match="documents are all empty: its rows hold end-of-text only"):
+        data_lib.tokenize(empty, tokenizer, seq_len=8, num_proc=1)
+    some = Dataset.from_dict({"text": ["Once upon a time"] + [""] * 99})
+    assert len(data_lib.tokenize(some, tokenizer, seq_len=8, num_proc=1)) > 0

@@ -180,7 +180,6 @@ def exchange_worker(rank, world, out, bug):
     per rank with the all-to-all. `bug`: None, or "plain" (an all-to-all autograd cannot see)."""
     import expert_parallel
     import moe as moe_lib
-
     from process_group_manager import ProcessGroupManager
 
     torch.manual_seed(0)  # the same layer on every rank

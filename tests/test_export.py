@@ -286,6 +286,11 @@ def test_sampling_is_seeded_and_top_k(tmp_path):
         for m, s in [(rebuilt, 0), (model, 0), (rebuilt, 1)]
     ]
     assert texts[0] == texts[1] != texts[2]
+    # transformers' KV cache draws what the recomputed prefix draws, past the context (64) too.
+    for n in (12, 70):
+        with_cache = sample_tool.sample(rebuilt, tokenizer, "Once upon", n, seed=0)
+        assert with_cache == sample_tool.sample(rebuilt, tokenizer, "Once upon", n, cache=False)
+    assert with_cache.startswith(texts[0])
     expected = greedy(model, tokenizer, "Once upon", 12)
     assert sample_tool.sample(rebuilt, tokenizer, "Once upon", 12, top_k=1) == expected
     cold = sample_tool.sample(rebuilt, tokenizer, "Once upon", 12, top_k=2048, temperature=1e-6)

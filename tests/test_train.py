@@ -173,7 +173,8 @@ def test_the_run_reads_the_flags_and_its_questions_change_nothing(tmp_path):
         assert [json.loads(line)["step"] for line in log_file.read_text().splitlines()] == [5]
         run.save(lambda: (save_dir / "step_000005").mkdir())
         kept = sorted(p.name for p in save_dir.iterdir())
-        assert kept == ["latest", "step_000002", "step_000005"]  # the latest one is never pruned
+        # The latest one is never pruned; run.yaml, the run file, was written at the first step.
+        assert kept == ["latest", "run.yaml", "step_000002", "step_000005"]
         run.close()
     finally:
         dist.destroy_process_group()

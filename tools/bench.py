@@ -1,10 +1,10 @@
 """Our implementations side by side with PyTorch's own, checked to agree, timed in turn.
 
-Our model, data, tensor and pipeline parallelism, ZeRO-1, ring attention, sequence parallelism,
-interleaved 1F1B and ZB-H1 against transformers' Llama, DistributedDataParallel, DTensor,
-torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B,
-ScheduleInterleavedZeroBubble), ZeroRedundancyOptimizer and FSDP2, PyTorch's ring function and
-DTensor's SequenceParallel plan.
+Our model, its KV cache, data, tensor and pipeline parallelism, ZeRO-1, ring attention,
+sequence parallelism, interleaved 1F1B and ZB-H1 against transformers' Llama (and its generate),
+DistributedDataParallel, DTensor, torch.distributed.pipelining (Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), ZeroRedundancyOptimizer and FSDP2,
+PyTorch's ring function and DTensor's SequenceParallel plan.
 
     python tools/bench.py                       # all but cp, the tiny model
     python tools/bench.py --parts pp --steps 30 --micro_batches 8
@@ -43,7 +43,7 @@ WORLD = {part: nproc for step in STEPS for part, nproc in step.bench.items()}  #
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parts = "model,dp,tp,pp,zero,zero3,sp,interleaved,zb1,ep"
+    parts = "model,kv_cache,dp,tp,pp,zero,zero3,sp,interleaved,zb1,ep"
     parser.add_argument("--parts", default=parts, help="which, in order (or cp)")
     parser.add_argument("--model_name", default="tiny", help="a config in assets/configs")
     for name in bench_parts.OVERRIDES:

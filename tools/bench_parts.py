@@ -5,12 +5,13 @@ agree, then times their steps in turn (fwd + bwd + AdamW over the same global ba
 Our code comes from the step that introduces it: the model from step 1, naive and bucketed data
 parallelism from step 6, tensor parallelism from step 4, both pipeline schedules from step 8,
 ZeRO-1 from step 10, ring attention from step 11 (whose step is one attention's forward and
-backward, no optimizer).
+backward, no optimizer); the KV cache from step 3, whose step is a greedy generation.
 """
 
 # B micro-batch, T tokens, V vocab, H query heads, K key/value heads, d head dim
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import sys
@@ -187,6 +188,54 @@ def compare_model(args, device):
     times, losses = alternate(sides, args, device)
     checks = [("grad", grad_diff, 1e-5), ("loss", loss_difference(losses, *sides), 1e-5)]
     return [row("model, 1 device", "ours", "transformers", times, checks)]
+
+
+def compare_kv_cache(args, device):
+    """Generation with our KV cache (step 3's kv_cache.py) against our model recomputing the
+    prefix at every token, and against transformers' generate with its own cache: --seq_len
+    tokens after an 8-token prompt, the likeliest each time, the same weights."""
+    import transformers
+
+    model_lib = import_step(part_step("kv_cache"), "model")
+    kv_cache = import_step(part_step("kv_cache"), "kv_cache").kv_cache
+    config = load_config(args)
+    ours = model_lib.LlamaForCausalLM(config).to(device).eval()
+    ours.init_weights(args.seed)
+    theirs = transformers.LlamaForCausalLM(config).to(device).eval()
+    theirs.load_state_dict(ours.state_dict())
+    prompt = make_batch(config, args, device)[0][:1, :8]  # (1, 8)
+    tokens = {}
+
+    @torch.no_grad()
+    def generate(name, cached):
+        def run():
+            ids = new = prompt
+            with kv_cache(ours) if cached else contextlib.nullcontext():
+                for _ in range(args.seq_len):
+                    new = ours(new if cached else ids)[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+                    ids = torch.cat([ids, new], dim=1)
+            tokens[name] = ids
+            return 0.0
+
+        return run
+
+    @torch.no_grad()
+    def transformers_generate():
+        mask = torch.ones_like(prompt)
+        tokens["transformers"] = theirs.generate(
+            prompt, attention_mask=mask, max_new_tokens=args.seq_len, min_new_tokens=args.seq_len,
+            do_sample=False, use_cache=True, pad_token_id=0,
+        )  # fmt: skip
+        return 0.0
+
+    sides = {"cached": generate("cached", True), "recompute": generate("recompute", False)}
+    sides["transformers"] = transformers_generate
+    times, _ = alternate(sides, args, device)
+    differ = {n: (tokens["cached"] != tokens[n]).float().mean().item() for n in sides}
+    return [
+        row("kv cache, generation", "cached", theirs, times, [("tokens", differ[theirs], 0)])
+        for theirs in ("recompute", "transformers")
+    ]
 
 
 def replica(model_module, config, args, device):
@@ -1053,4 +1102,4 @@ def compare_ep(args, device):
 PARTS = {"model": compare_model, "dp": compare_dp, "tp": compare_tp, "pp": compare_pp}
 PARTS |= {"zero": compare_zero, "cp": compare_cp, "sp": compare_sp}
 PARTS |= {"interleaved": compare_interleaved, "zb1": compare_zb1, "ep": compare_ep}
-PARTS |= {"zero3": compare_zero3}
+PARTS |= {"zero3": compare_zero3, "kv_cache": compare_kv_cache}

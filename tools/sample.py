@@ -11,7 +11,9 @@ step folder.
 # T tokens, V vocabulary, k top-k
 
 import argparse
+import inspect
 import sys
+import time
 
 import torch
 from export_hf import (
@@ -40,6 +42,9 @@ def parse_args(argv=None):
     parser.add_argument("--top_k", type=int, default=20, help="draw among the k likeliest tokens")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the likeliest")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--no_cache", action="store_true", help="recompute the whole prefix at every token"
+    )
     add_model_args(parser)
     args = parser.parse_args(argv)
     if args.num_tokens < 0 or args.top_k < 1 or args.temperature < 0:
@@ -48,6 +53,12 @@ def parse_args(argv=None):
             f"{args.num_tokens}, {args.top_k} and {args.temperature}"
         )
     return args
+
+
+# transformers' name for the KV cache, as an argument and in the output: `cache` in recent
+# versions (5.24 here), `past_key_values` in older ones.
+FORWARD = inspect.signature(LlamaForCausalLM.forward).parameters
+CACHE = "cache" if "cache" in FORWARD else "past_key_values"
 
 
 def resolve_device(name):
@@ -90,24 +101,30 @@ def build_model(state_dict, config, device):
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompt, num_tokens, seed=0, top_k=20, temperature=0.8):
+def sample(model, tokenizer, prompt, num_tokens, seed=0, top_k=20, temperature=0.8, cache=True):
     """Continue `prompt` one token at a time: with temperature 0 the likeliest token, else a
-    draw among the top-k logits divided by the temperature, from a generator seeded by `seed`."""
+    draw among the top-k logits divided by the temperature, from a generator seeded by `seed`.
+    With `cache`, the model's own KV cache: each call feeds only the new token."""
     device = model.device
     generator = torch.Generator(device).manual_seed(seed)
     ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], device=device)
     if ids.numel() == 0:
         raise ValueError(f"the prompt {prompt!r} has no tokens")
     context = model.config.max_position_embeddings  # RoPE was trained on no longer sequences
+    past, new = None, ids
     for _ in range(num_tokens):
-        logits = model(ids[:, -context:], use_cache=False).logits[:, -1].float()  # (1, V)
+        if not cache or ids.shape[1] > context:  # past the context: the last `context` again
+            logits = model(ids[:, -context:], use_cache=False).logits[:, -1].float()  # (1, V)
+        else:
+            output = model(new, **{CACHE: past}, use_cache=True)
+            past, logits = output[CACHE], output.logits[:, -1].float()  # (1, V)
         if temperature == 0:
             next_id = logits.argmax(-1, keepdim=True)  # (1, 1)
         else:
             top, index = (logits / temperature).topk(min(top_k, logits.size(-1)))  # (1, k)
             choice = torch.multinomial(top.softmax(-1), 1, generator=generator)  # (1, 1)
             next_id = index.gather(-1, choice)  # (1, 1)
-        ids = torch.cat([ids, next_id], dim=1)  # (1, T + 1)
+        ids, new = torch.cat([ids, next_id], dim=1), next_id  # (1, T + 1), (1, 1)
     return tokenizer.decode(ids[0])
 
 
@@ -126,9 +143,14 @@ def main(argv=None):
         model = build_model(state_dict, config, device)
         num_params = sum(p.numel() for p in model.parameters())
         print(f"{args.checkpoint}: {num_params:,} parameters on {device}", file=sys.stderr)
+        start = time.perf_counter()
         text = sample(
-            model, tokenizer, args.prompt, args.num_tokens, args.seed, args.top_k, args.temperature
-        )
+            model, tokenizer, args.prompt, args.num_tokens, args.seed, args.top_k, args.temperature,
+            cache=not args.no_cache,
+        )  # fmt: skip
+        rate = args.num_tokens / (time.perf_counter() - start)
+        way = "recomputing the prefix" if args.no_cache else "with the KV cache"
+        print(f"{args.num_tokens} tokens, {rate:,.0f} tokens/s {way}", file=sys.stderr)
     except ValueError as error:
         print(f"sample.py: error: {error}", file=sys.stderr)
         sys.exit(2)
