@@ -254,6 +254,98 @@ def load_shards(args, tokenizer):
 ### end Token shards
 
 
+### begin Streaming
+HELD_OUT = 100  # a stream without a validation split: every 100th document is held out
+
+
+def open_stream(name, split):
+    """The texts of one split of `name` (a hub id, or a local dataset), read as they come:
+    nothing is downloaded or tokenised ahead. Without a validation split, validation is every
+    HELD_OUT-th document of train and train the others."""
+    from datasets import load_dataset
+
+    try:
+        stream = load_dataset(resolve(name, "datasets"), streaming=True)
+    except Exception as error:  # datasets raises many kinds of error for an unreachable hub
+        raise offline_hint("dataset", name, "tinytales", error) from error
+    if "validation" in stream:
+        return texts(stream[split], split)
+    held_out = split == "validation"
+    documents = enumerate(texts(stream["train"], "train"))
+    return (text for i, text in documents if (i % HELD_OUT == HELD_OUT - 1) == held_out)
+
+
+def texts(stream, split, text_column="text"):
+    """The documents' texts, each checked to be one."""
+    for number, document in enumerate(stream):
+        text = document.get(text_column)
+        if not isinstance(text, str):
+            raise ValueError(
+                f"the {split} split's document {number} has no text in a {text_column!r} "
+                f"column: {document!r:.80}"
+            )
+        yield text
+
+
+class StreamedRows:
+    """The rows of a split read from a stream, tokenised as they are served: documents joined by
+    end-of-text and cut into rows of T + 1 tokens, as in a folder of token shards, in the
+    stream's order (no shuffle). `rows[indices]` takes increasing row numbers, which count on
+    past the end of the stream: row i of a stream of n rows is row i mod n of the next pass.
+    Every dp rank reads the whole stream and keeps its own rows, so the rows are those of one
+    process. To go back (a resume, each validation's start), the stream is read again from its
+    start and the rows before skipped: exact, at the cost of reading them again."""
+
+    streamed = True
+
+    def __init__(self, name, split, tokenizer, seq_len, batch=256):
+        self.name, self.split, self.tokenizer = name, split, tokenizer
+        self.row, self.batch = seq_len + 1, batch
+        self.length = None  # rows in one pass, known once the stream has ended
+        self.restart()
+
+    def restart(self):
+        self.documents = open_stream(self.name, self.split)
+        self.buffer, self.next = [], 0  # tokens not yet in a row; the next row's number
+
+    def read_row(self):
+        """The next row of this pass, or None at the stream's end."""
+        while len(self.buffer) < self.row:
+            batch = [text for _, text in zip(range(self.batch), self.documents, strict=False)]
+            if not batch:
+                return None
+            ids = self.tokenizer(batch, add_special_tokens=False)["input_ids"]
+            self.buffer += [t for doc in ids for t in (*doc, self.tokenizer.eos_token_id)]
+        row, self.buffer = self.buffer[: self.row], self.buffer[self.row :]
+        return row
+
+    def row_at(self, index):
+        if self.length:
+            index %= self.length
+        if index < self.next:
+            self.restart()
+        while True:
+            row = self.read_row()
+            if row is None:  # the end of the stream: a pass's length is known
+                if self.next == 0:
+                    raise ValueError(
+                        f"the {self.split} split of {self.name!r} is too small for one row of "
+                        f"seq_len + 1 = {self.row} tokens"
+                    )
+                self.length, index = self.next, index % self.next
+                self.restart()
+                continue
+            self.next += 1
+            if self.next - 1 == index:
+                return row
+
+    def __getitem__(self, indices):
+        return {"tokens": torch.tensor([self.row_at(i) for i in indices])}  # (B, T+1)
+
+
+### end Streaming
+
+
 def load_data(args, vocab_size):
     """--tokenizer_name, and --dataset_name's training and validation splits in rows of
     --seq_len + 1 tokens: tokenised here, or read from a folder of token shards."""
@@ -262,6 +354,14 @@ def load_data(args, vocab_size):
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
         )
+    if args.streaming:
+        train, validation = (
+            StreamedRows(args.dataset_name, split, tokenizer, args.seq_len)
+            for split in ("train", "validation")
+        )
+        train[[0]], validation[[0]]  # a stream that cannot give one row fails here, not later
+        log(f"data {args.dataset_name}: streamed, its rows tokenised as they are served")
+        return tokenizer, train, validation
     if (Path(args.dataset_name) / SHARD_INDEX).is_file():
         train, validation = load_shards(args, tokenizer)
     else:
@@ -302,6 +402,13 @@ class MicroBatchDataLoader:
             self._order = (epoch, perm if self.shuffle else torch.arange(len(self.rows)))
         return self._order[1]
 
+    def index(self, position):
+        """The row served at `position`: of its epoch's shuffled order; a stream's in order."""
+        if getattr(self.rows, "streamed", False):
+            return position
+        epoch, i = divmod(position, len(self.rows))
+        return self.order(epoch)[i].item()
+
     @property
     def epoch(self):
         return self.position // len(self.rows)
@@ -313,8 +420,7 @@ class MicroBatchDataLoader:
         indices = []
         first = self.position + self.dp_rank * self.micro_batch_size  # skip lower dp ranks' rows
         for position in range(first, first + self.micro_batch_size):
-            epoch, i = divmod(position, len(self.rows))
-            indices.append(self.order(epoch)[i].item())
+            indices.append(self.index(position))
         self.position += self.dp_size * self.micro_batch_size
         tokens = self.rows[indices]["tokens"].to(self.device)  # (B, T+1)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T)
@@ -322,13 +428,15 @@ class MicroBatchDataLoader:
         return tuple(split_sequence(x, self.cp_rank, self.cp_size) for x in (inputs, targets))
 
     def state_dict(self):
-        return {"position": self.position, "rows": len(self.rows)}
+        streamed = getattr(self.rows, "streamed", False)  # a stream's rows are not counted
+        return {"position": self.position, "rows": None if streamed else len(self.rows)}
 
     def load_state_dict(self, state):
         """Go on from `position`. From data cut into another number of rows (another
         --dataset_name or --seq_len) that is another place in another order: said once."""
-        rows = state.get("rows", len(self.rows))  # a rewind to position 0 gives none
-        if rows != len(self.rows):
+        rows = state.get("rows")  # a rewind to position 0 gives none, a stream's is None
+        streamed = getattr(self.rows, "streamed", False)
+        if rows is not None and not streamed and rows != len(self.rows):
             log(
                 f"warning: the checkpoint's data had {rows:,} rows and this run's has "
                 f"{len(self.rows):,} (another --dataset_name or --seq_len): training goes on "

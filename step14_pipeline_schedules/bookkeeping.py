@@ -263,6 +263,78 @@ class EarlyStop:
             )
 
 
+### begin Loss scaling
+class LossScale:
+    """--dtype float16: dynamic loss scaling. fp16 holds numbers from 6e-8 to 65,504, and small
+    gradients of the activations would round to zero; the loss is multiplied by the scale S
+    before backward, so every gradient is S times larger, and the weights' gradients are divided
+    by S before the update. S is a power of two, so both products are exact. A step whose
+    gradient norm overflows on some rank (`agree` reduces it over every rank: each rank's own
+    check would let the others apply a step that one of them must skip) is skipped on every rank
+    and S halves; after GROWTH_INTERVAL finite steps in a row S doubles. S and that count live in
+    the optimizer's first parameter group, so every checkpoint keeps them. Without float16 S is
+    1: every product by it changes nothing."""
+
+    INITIAL, GROWTH_INTERVAL, MAX_OVERFLOWS = 2.0**16, 2000, 24
+
+    def __init__(self, args):
+        self.enabled, self.overflows = args.dtype == "float16", 0
+
+    def start(self, optimizer):
+        """The scale's first value, unless a checkpoint brought one."""
+        if self.enabled:
+            optimizer.param_groups[0].setdefault("loss_scale", self.INITIAL)
+            optimizer.param_groups[0].setdefault("finite_in_a_row", 0)
+
+    def update(self, facts, optimizer, step, record):
+        """After the step: halve on an overflow, double after enough finite steps. Returns why
+        the run must stop (an overflow MAX_OVERFLOWS times in a row: not a matter of scale), or
+        None."""
+        if not self.enabled:
+            return None
+        group = optimizer.param_groups[0]
+        record["loss_scale"] = group["loss_scale"]
+        if facts.finite:
+            self.overflows = 0
+            group["finite_in_a_row"] += 1
+            if group["finite_in_a_row"] == self.GROWTH_INTERVAL:
+                group.update(loss_scale=2 * group["loss_scale"], finite_in_a_row=0)
+        elif facts.loss_finite:  # the gradients overflowed: skipped on every rank, S halves
+            self.overflows += 1
+            group.update(loss_scale=group["loss_scale"] / 2, finite_in_a_row=0)
+            record["overflow"] = True
+            log(
+                f"step {step}: the gradients overflowed fp16 at loss scale "
+                f"{record['loss_scale']:g} on some rank; the step is skipped on every rank and "
+                f"the scale halves"
+            )
+            if self.overflows > self.MAX_OVERFLOWS:
+                return (
+                    f"step {step}: the gradients overflowed {self.overflows} steps in a row, down "
+                    f"to loss scale {group['loss_scale']:g}: they are not finite at any scale. "
+                    f"A lower --learning_rate, or --dtype bfloat16, may help"
+                )
+        return None
+
+
+def loss_scale(optimizer):
+    """The number the loss is multiplied by before backward: 1 unless --dtype float16."""
+    return optimizer.param_groups[0].get("loss_scale", 1.0)
+
+
+@torch.no_grad()
+def unscale(optimizer, scale):
+    """Divide every gradient the optimizer reads by the loss scale, before its step."""
+    if scale != 1.0:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.div_(scale)
+
+
+### end Loss scaling
+
+
 class NonFiniteGuard:
     """--on_nonfinite: train_step applied no update if the loss or the gradient norm was not
     finite on some rank (`agree`); here the run counts the skip, or stops before anything is
@@ -277,6 +349,8 @@ class NonFiniteGuard:
             self.in_a_row = 0
             if self.skipped:  # the log counts the skips so far
                 record["skipped_steps"] = self.skipped
+            return None
+        if facts.loss_finite and self.args.dtype == "float16":  # an overflow: LossScale's
             return None
         args, what = self.args, "the gradient norm" if facts.loss_finite else "the loss"
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
@@ -377,7 +451,7 @@ class Run:
         self.start_step, self.step, self.max_steps, self.record = 0, 0, args.max_steps, {}
         self.stop_signal, self.stopped = StopSignal(), False  # SIGTERM: finish the step, save, exit
         self.metrics = self.profiler = self.comm = None
-        self.guard = NonFiniteGuard(args)
+        self.guard, self.loss_scale = NonFiniteGuard(args), LossScale(args)
         self.early_stop = EarlyStop(args)
         self.checkpoints = Checkpoints(args, device, pgm.dp_size if replicas is None else replicas)
 
@@ -429,6 +503,7 @@ class Run:
         self.step, self.optimizer = step, optimizer
         if self.metrics is None:
             self.open()
+            self.loss_scale.start(optimizer)
             if self.args.save_dir:  # refused here, before any work, rather than at the first save
                 self.checkpoints.disk_holds_one(step, optimizer)
         self.lr, self.start = optimizer.param_groups[0]["lr"], time.perf_counter()
@@ -464,6 +539,7 @@ class Run:
         if self.comm:
             self.record["comm"], self.comm = self.comm, None
         why = self.guard.check(facts, self.step, self.record)
+        why = why or self.loss_scale.update(facts, self.optimizer, self.step, self.record)
         if why:
             self.metrics.write(self.record)
             raise ValueError(why)

@@ -94,19 +94,20 @@ def check_moe(config, args):
 
 class AttachLoss(torch.autograd.Function):
     """y, with `loss` riding on it: forward returns y; backward passes y's gradient on and gives
-    `loss` the gradient 1, so that it is minimised with whatever loss y leads to. Backward also
+    `loss` the gradient `seed` (1, or fp16's loss scale, which multiplies the main loss too), so
+    that it is minimised with whatever loss y leads to. Backward also
     adds (the loss, `counts`) to the list `record`, for the log: once per micro-batch, where a
     forward run again by recomputation would count twice."""
 
     @staticmethod
-    def forward(ctx, y, loss, counts, record):
-        ctx.facts, ctx.record = (loss.detach(), counts.detach()), record
+    def forward(ctx, y, loss, counts, record, seed=1.0):
+        ctx.facts, ctx.record, ctx.seed = (loss.detach(), counts.detach()), record, seed
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
         ctx.record.append(ctx.facts)
-        return grad, torch.ones_like(ctx.facts[0]), None, None
+        return grad, torch.full_like(ctx.facts[0], ctx.seed), None, None, None
 
 
 class Linear(nn.Linear):
@@ -157,7 +158,7 @@ class MixtureOfExperts(nn.Module):
         self.exchange = exchange_locally  # expert parallelism: across the ep ranks
         # Set by the run: the losses' coefficients, and the scale of their gradient (one over the
         # micro-batches of a step, like the loss's).
-        self.aux_loss_coef, self.z_loss_coef, self.scale = 0.0, 0.0, 1.0
+        self.aux_loss_coef, self.z_loss_coef, self.scale, self.loss_scale = 0.0, 0.0, 1.0, 1.0
         self.record = []  # (router losses, rows per expert) of each micro-batch, for the log
         # The groups a sequence's tokens are cut over, each with whether the losses of its ranks
         # are averaged (cp's, like dp's) or each rank's counts whole (sequence parallelism's tp).
@@ -193,7 +194,7 @@ class MixtureOfExperts(nn.Module):
             losses = self.scale * self.router_losses(logits, probs, index)
             if self.tp_group is not None:  # for the log: the rows of every tp rank's tokens
                 counts = all_reduce(counts.clone(), self.tp_group)
-            y = AttachLoss.apply(y, losses, counts, self.record)
+            y = AttachLoss.apply(y, losses, counts, self.record, self.loss_scale)
         return y
 
     def router_losses(self, logits, probs, index):
@@ -271,14 +272,16 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
 
 
-def set_router_losses(model, args, scale):
+def set_router_losses(model, args, scale, loss_scale=1.0):
     """The losses' coefficients (the config's router_aux_loss_coef unless --aux_loss_coef says
-    otherwise) and the scale of their gradients, in every MoE layer of `model`."""
+    otherwise), the scale of the losses (1 / micro-batches) and fp16's loss scale, which
+    multiplies their gradients, in every MoE layer of `model`."""
     aux = args.aux_loss_coef
     if aux is None:
         aux = getattr(model.config, "router_aux_loss_coef", 0.0)
     for moe in moe_layers(model):
         moe.aux_loss_coef, moe.z_loss_coef, moe.scale = aux, args.z_loss_coef, scale
+        moe.loss_scale = loss_scale
 
 
 CAPACITY_FACTOR = 1.25  # for the log only: what a layer with a capacity would have dropped

@@ -12,7 +12,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
+from bookkeeping import (
+    Run,
+    agree,
+    check_restarts,
+    find_checkpoint,
+    loss_scale,
+    restart_store,
+    unscale,
+    warmup_cosine,
+)
 from checkpoint import check_resume, resume, save_checkpoint
 from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_data
@@ -277,15 +286,17 @@ def train_step(ctx, state, micro_batches):
     model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
     shape, tied = state.shape, state.tied
     model.zero_grad(set_to_none=True)
+    scale = loss_scale(optimizer)  # --dtype float16: gradients S times larger; else 1
     ### begin Pipeline parallelism
-    stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
+    stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm) * scale
     chunks = args.pp_virtual_stages
     # The router's losses ride on the layers' outputs, scaled like the loss (moe.py).
-    set_router_losses(state.model, args, 1 / len(micro_batches))
+    set_router_losses(state.model, args, 1 / len(micro_batches), scale)
     actions = SCHEDULES[args.pp_engine](pgm.pp_size, len(micro_batches), chunks)[pgm.pp_rank]
     timeline = Timeline(frees(actions)) if args.pp_timeline is not None else NoTimeline()
     stages = [Stage(model, pgm, chunk, chunks, state.gradients) for chunk in range(chunks)]
     total = run_schedule(actions, stages, micro_batches, stage_loss, shape, device, dtype, timeline)
+    total = total / scale  # the loss as logged (exact: S is a power of two)
     if args.pp_timeline is not None:
         # Interleaved: m x chunks chunk-sized forwards, what the textbook bubble counts.
         timeline.report(len(micro_batches) * chunks, args.pp_engine, pgm, args.pp_timeline)
@@ -295,10 +306,11 @@ def train_step(ctx, state, micro_batches):
         model.timeline.report(args.bucket_size_mb, args.dp_timeline)
     ### begin ZeRO-1
     model.sum_tied_gradients(tied)  # the tied embedding's two copies, one gradient: before clipping
-    grad_norm = model.clip_grad_norm(args.grad_clip, pgm, tied)  # of the whole model
+    grad_norm = model.clip_grad_norm(args.grad_clip * scale, pgm, tied) / scale
     # The tp ranks' copies of the loss count once; the dp and cp ranks' shares make its mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size * pgm.cp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing
+        unscale(optimizer, scale)
         optimizer.step()  # this rank's shard only
         model.all_gather_parameters()
         scheduler.step()

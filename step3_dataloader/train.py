@@ -15,7 +15,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
+from bookkeeping import (
+    Run,
+    agree,
+    check_restarts,
+    find_checkpoint,
+    loss_scale,
+    restart_store,
+    unscale,
+    warmup_cosine,
+)
 from checkpoint import load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
@@ -129,17 +138,19 @@ def train_step(ctx, state, micro_batches):
     model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
+    scale = loss_scale(optimizer)  # --dtype float16: gradients S times larger; else 1
     for inputs, targets in micro_batches:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = model(inputs)  # (B, T, V)
         # Dividing by the number of micro-batches makes the accumulated gradient the mean over
         # the whole batch, the same as one backward over one large batch.
         loss = loss_fn(logits, targets) / len(micro_batches)
-        loss.backward()
+        (loss * scale).backward()
         total += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip * scale) / scale
     facts = agree(total, grad_norm)  # one collective and one host sync for the step
     if facts.finite:  # on every rank alike: a non-finite step changes nothing
+        unscale(optimizer, scale)
         optimizer.step()
         scheduler.step()
     return facts

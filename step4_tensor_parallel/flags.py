@@ -90,7 +90,11 @@ def make_parser(description):
     )
     system = parser.add_argument_group("system")
     system.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    system.add_argument("--dtype", default="auto", help="autocast dtype: auto, float32, bfloat16")
+    system.add_argument(
+        "--dtype",
+        default="auto",
+        help="autocast dtype: auto, float32, bfloat16, float16 (with dynamic loss scaling)",
+    )
     system.add_argument("--compile", action="store_true", help="torch.compile the model")
     system.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU")
     system.add_argument("--log_every", type=int, default=1)
@@ -110,6 +114,11 @@ def make_parser(description):
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", default="tinytales", help="assets/datasets/NAME or hub id")
     data.add_argument("--tokenizer_name", default="tinytales", help="assets/tokenizers/NAME or hub")
+    data.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read --dataset_name as a stream, tokenised as it is served, in its own order",
+    )
     data.add_argument("--max_tokens", type=int, help="stop after this many training tokens")
     data.add_argument(
         "--num_proc", type=int, default=2, help="processes for tokenising (the rows depend on it)"

@@ -175,7 +175,7 @@ def resolve_dtype(name, device):
     """The autocast dtype: bf16 on CUDA and fp32 on the CPU unless asked otherwise."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"--dtype must be one of auto, {', '.join(dtypes)}; got {name!r}")
     return dtypes[name]

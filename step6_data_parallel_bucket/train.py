@@ -12,7 +12,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
+from bookkeeping import (
+    Run,
+    agree,
+    check_restarts,
+    find_checkpoint,
+    loss_scale,
+    restart_store,
+    unscale,
+    warmup_cosine,
+)
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
@@ -158,6 +167,7 @@ def train_step(ctx, state, micro_batches):
     args, device, dtype, pgm = ctx
     model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
     model.zero_grad(set_to_none=True)
+    scale = loss_scale(optimizer)  # --dtype float16: gradients S times larger; else 1
     total = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(micro_batches):
         ### begin Data parallelism
@@ -170,15 +180,16 @@ def train_step(ctx, state, micro_batches):
         # Dividing by the number of micro-batches makes the accumulated gradient the mean over
         # the whole batch, the same as one backward over one large batch.
         loss = loss_fn(logits, targets, pgm) / len(micro_batches)
-        loss.backward()
+        (loss * scale).backward()
         total += loss.detach()
     model.finish_gradient_synchronization()
     if args.dp_timeline is not None:
         model.timeline.report(args.bucket_size_mb, args.dp_timeline)
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm)  # of the whole model
+    grad_norm = clip_grad_norm(model, args.grad_clip * scale, pgm) / scale
     # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing
+        unscale(optimizer, scale)
         optimizer.step()
         scheduler.step()
     return facts

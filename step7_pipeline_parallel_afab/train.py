@@ -12,7 +12,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store, warmup_cosine
+from bookkeeping import (
+    Run,
+    agree,
+    check_restarts,
+    find_checkpoint,
+    loss_scale,
+    restart_store,
+    unscale,
+    warmup_cosine,
+)
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
@@ -179,12 +188,14 @@ def train_step(ctx, state, micro_batches):
     model, optimizer, scheduler = state.wrapped, state.optimizer, state.scheduler
     shape, tied = state.shape, state.tied
     model.zero_grad(set_to_none=True)
+    scale = loss_scale(optimizer)  # --dtype float16: gradients S times larger; else 1
     ### begin Pipeline parallelism
-    stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm)
+    stage_loss = lambda logits, targets: loss_fn(logits, targets, pgm) * scale
     actions = SCHEDULES[args.pp_engine](pgm.pp_size, len(micro_batches))[pgm.pp_rank]
     timeline = Timeline() if args.pp_timeline is not None else NoTimeline()
     stages = [Stage(model, pgm)]  # one chunk of layers per rank
     total = run_schedule(actions, stages, micro_batches, stage_loss, shape, device, dtype, timeline)
+    total = total / scale  # the loss as logged (exact: S is a power of two)
     if args.pp_timeline is not None:
         timeline.report(len(micro_batches), args.pp_engine, pgm, args.pp_timeline)
     ### end Pipeline parallelism
@@ -192,10 +203,13 @@ def train_step(ctx, state, micro_batches):
     if args.dp_timeline is not None:
         model.timeline.report(args.bucket_size_mb, args.dp_timeline)
     tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
-    grad_norm = clip_grad_norm(model, args.grad_clip, pgm, ("tp", "pp"), tied.counted)
+    grad_norm = (
+        clip_grad_norm(model, args.grad_clip * scale, pgm, ("tp", "pp"), tied.counted) / scale
+    )
     # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing
+        unscale(optimizer, scale)
         optimizer.step()
         scheduler.step()
     return facts

@@ -140,11 +140,11 @@ def launch_server(tmp_path_factory):
     server.wait()
 
 
-def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=True):
+def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=True, script=None):
     """Run step/train.py with `nproc` processes, as torchrun starts them (`torchrun=False`: one,
     as plain python does), forked by tests/launch.py (`fork=False`: started by torchrun or python
-    themselves); returns the CompletedProcess."""
-    script = str(step_dir(step) / "train.py")
+    themselves); returns the CompletedProcess. `script`: a launcher that runs train.py itself."""
+    script = script or str(step_dir(step) / "train.py")
     if torchrun:
         command = [*(LAUNCH if fork else TORCHRUN), f"--nproc_per_node={nproc}", script, *args]
     else:

@@ -146,7 +146,7 @@ CASES = [
     (S3, "--seq_len 5000", "seq_len=5000 exceeds max_position_embeddings=1024"),
     pytest.param(S3, "--device cuda", "--device cuda: PyTorch sees no GPU here", marks=NO_CUDA),
     (S3, "--device tpu", "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
-    (S3, "--dtype float16", "--dtype must be one of auto, float32, bfloat16; got 'float16'"),
+    (S3, "--dtype float64", "--dtype must be one of auto, float32, bfloat16, float16; got 'float"),
     (S3, "--tp_size 2", "tp_size * pp_size * dp_size = 2 * 1 * 1 = 2, but the world size is 1"),
     (S3, "--max_tokens 10", "--max_tokens 10 is less than one step's 64"),
     (S3, "--resume", "--resume needs --save_dir"),

@@ -102,7 +102,7 @@ def test_prepare_data_refuses_what_it_cannot_write(tmp_path, capsys):
     (data / "train.jsonl").write_text('{"text": "a story"}\n{"text": 7}\n')
     (data / "validation.jsonl").write_text('{"text": "a story"}\n')
     assert prepare(tmp_path / "out", "--dataset_name", str(data), "--streaming") == 2
-    assert "the train split's document 1 is a int, not text: 7" in capsys.readouterr().err
+    assert "the train split's document 1 has no text in a 'text' column" in capsys.readouterr().err
 
 
 def test_rows_are_the_stream_cut_in_order_across_shard_ends(shards):
@@ -184,6 +184,50 @@ def test_a_run_on_shards_resumes_exactly(shards, tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("step_000003")
     result = check(run_step(S3, [*flags, *save, "--resume", "--log_file", str(resumed)], nproc=2))
     assert "training rows" in result.stdout
+    keys = ["loss", "grad_norm", "tokens", "val_loss"]
+    expected = [{k: r.get(k) for k in keys} for r in read_log(straight)[3:]]
+    assert [{k: r.get(k) for k in keys} for r in read_log(resumed)] == expected
+
+
+def test_streamed_rows_are_the_shards_rows_in_order_and_wrap(shards):
+    """--streaming cuts the stream as the shards do: the same rows, in the stream's order; past
+    its end the rows start again, and a row asked again (a resume) is read again, the same."""
+    data_lib = import_step(S3, "dataloader")
+    tokenizer = data_lib.load_tokenizer("tinytales")
+    index = json.loads((shards / "proc1" / "shards.json").read_text())
+    expected = data_lib.TokenShards(shards / "proc1", index, "validation", seq_len=64)
+    n = len(expected)
+    rows = data_lib.StreamedRows("tinytales", "validation", tokenizer, seq_len=64)
+    assert torch.equal(rows[range(n)]["tokens"], expected[range(n)]["tokens"])
+    assert rows.length is None  # the end not reached yet: the next row is n, the first again
+    assert torch.equal(rows[[n, n + 1]]["tokens"], expected[[0, 1]]["tokens"])
+    assert rows.length == n
+    assert torch.equal(rows[[5]]["tokens"], expected[[5]]["tokens"])  # back: read again
+
+
+def test_a_stream_without_validation_holds_out_every_100th_document(tmp_path):
+    data_lib = import_step(S3, "dataloader")
+    folder = tmp_path / "stories"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(f'{{"text": "story {i}"}}\n' for i in range(300)))
+    held_out = list(data_lib.open_stream(str(folder), "validation"))
+    assert held_out == ["story 99", "story 199", "story 299"]
+    assert len(list(data_lib.open_stream(str(folder), "train"))) == 297
+
+
+def test_a_streamed_run_at_dp2_resumes_exactly(tmp_path):
+    """Step 5 streams tinytales at dp 2: each rank reads the stream and keeps its rows; 6 steps
+    straight and 3 + resume + 3 (the stream read again up to the saved position) log the same."""
+    flags = [*TINY, "--streaming", "--eval_every", "3", "--eval_steps", "2", "--num_proc", "1"]
+    flags += ["--sample_tokens", "0", "--dp_size", "2", "--max_steps", "6"]
+    step = "step5_data_parallel_naive"
+    straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    result = check(run_step(step, [*flags, "--log_file", str(straight)], nproc=2))
+    assert "streamed, its rows tokenised as they are served" in result.stdout
+    save = ["--save_dir", str(tmp_path / "ckpt"), "--save_every", "3"]
+    check(run_step(step, [*flags, *save, "--log_file", str(tmp_path / "first.jsonl")], nproc=2))
+    (tmp_path / "ckpt" / "latest").write_text("step_000003")
+    check(run_step(step, [*flags, *save, "--resume", "--log_file", str(resumed)], nproc=2))
     keys = ["loss", "grad_norm", "tokens", "val_loss"]
     expected = [{k: r.get(k) for k in keys} for r in read_log(straight)[3:]]
     assert [{k: r.get(k) for k in keys} for r in read_log(resumed)] == expected

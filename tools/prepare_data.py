@@ -40,13 +40,13 @@ from dataloader import (  # noqa: E402
     fingerprint,
     load_splits,
     load_tokenizer,
+    open_stream,
     resolve,
     shard_dtype,
 )
 
 PROGRESS = "progress.json"  # while shards are being written: what is done, to go on from
 BATCH = 256  # documents per task of a tokenising process; a shard ends at a batch's end
-HELD_OUT = 100  # a streamed dataset without validation split: every 100th document is held out
 
 
 def parse_args(argv=None):
@@ -76,37 +76,16 @@ def parse_args(argv=None):
 ### begin Documents
 def splits(args):
     """The train and validation documents' texts, as two iterables of batches of texts."""
-    path = resolve(args.dataset_name, "datasets")
-    if Path(path).exists() and not args.streaming:
+    if Path(resolve(args.dataset_name, "datasets")).exists() and not args.streaming:
         train, validation = load_splits(args.dataset_name, args.seed)  # refuses what cannot load
         return {"train": in_batches(train), "validation": in_batches(validation)}
-    from datasets import load_dataset  # a stream: read as it is tokenised
-
-    try:
-        stream = load_dataset(path, streaming=True)
-    except Exception as error:  # datasets raises many kinds of error for an unreachable hub
-        raise ValueError(
-            f"could not stream the dataset {args.dataset_name!r} (a hub dataset needs the "
-            f"network): {type(error).__name__}: {error}"
-        ) from error
-    if "validation" in stream:
-        train, validation = (texts(stream[s]) for s in ("train", "validation"))
-    else:
-        train = (t for i, t in enumerate(texts(stream["train"])) if i % HELD_OUT != HELD_OUT - 1)
-        validation = itertools.islice(texts(stream["train"]), HELD_OUT - 1, None, HELD_OUT)
-    return {"train": batched(train), "validation": batched(validation)}
+    # A stream, read as it is tokenised, split as the trainer's --streaming splits it.
+    return {s: batched(open_stream(args.dataset_name, s)) for s in ("train", "validation")}
 
 
 def in_batches(dataset):
     for start in range(0, len(dataset), BATCH):
         yield dataset[start : start + BATCH]["text"]
-
-
-def texts(stream):
-    for document in stream:
-        if "text" not in document:
-            raise ValueError(f"the dataset has no 'text' column: its columns are {list(document)}")
-        yield document["text"]
 
 
 def batched(documents):
