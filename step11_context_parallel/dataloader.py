@@ -354,6 +354,12 @@ def load_data(args, vocab_size):
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
         )
+    shards = (Path(args.dataset_name) / SHARD_INDEX).is_file()
+    if args.streaming and shards:
+        raise ValueError(
+            f"--streaming reads a dataset as it comes; {args.dataset_name} is a folder of token "
+            f"shards, which is read in place without it: drop --streaming"
+        )
     if args.streaming:
         train, validation = (
             StreamedRows(args.dataset_name, split, tokenizer, args.seq_len)
@@ -362,7 +368,7 @@ def load_data(args, vocab_size):
         train[[0]], validation[[0]]  # a stream that cannot give one row fails here, not later
         log(f"data {args.dataset_name}: streamed, its rows tokenised as they are served")
         return tokenizer, train, validation
-    if (Path(args.dataset_name) / SHARD_INDEX).is_file():
+    if shards:
         train, validation = load_shards(args, tokenizer)
     else:
         train, validation = load_splits(args.dataset_name, args.seed)

@@ -8,6 +8,7 @@ and refuses shards of another tokenizer, cut short, missing or extra.
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -171,6 +172,10 @@ def test_the_trainer_refuses_shards_it_cannot_use(shards, tmp_path):
     (folder / "shards.json").write_text(json.dumps({**index, "dtype": "uint8"}))
     with pytest.raises(ValueError, match="its shards.json names dtype 'uint8'"):
         read()
+    args = SimpleNamespace(dataset_name=str(shards / "proc1"), streaming=True)
+    args.tokenizer_name = "tinytales"
+    with pytest.raises(ValueError, match="is a folder of token shards, .* drop --streaming"):
+        data_lib.load_data(args, vocab_size=2048)
 
 
 def test_a_run_on_shards_resumes_exactly(shards, tmp_path):
