@@ -555,7 +555,8 @@ def test_activation_bytes_follow_the_formula(tmp_path):
     """tp 2, each rank, the fused kernel: one layer's bytes kept for backward are the formula's
     in every mode, with and without sequence parallelism; a micro-batch keeps less with sequence
     parallelism and with each recompute mode. The unfused kernel keeps more (the scores), and
-    selective recomputation drops them: it keeps what it keeps with the fused one."""
+    selective recomputation drops them: it keeps what it keeps with the fused one. The peak of a
+    step is above what its forward keeps, and falls with full recomputation."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("forkserver").Manager().Queue()
@@ -569,7 +570,7 @@ def test_activation_bytes_follow_the_formula(tmp_path):
     for rank in [0, 1]:
         fused, math, formula = (found[kind, rank] for kind in ["fused", "math", "formula"])
         assert sorted(fused) == sorted(formula)
-        for key, (layer, _, _) in fused.items():
+        for key, (layer, _, _, _) in fused.items():
             assert layer == formula[key], key
         for sp in [False, True]:
             batch = [fused[sp, mode][1] for mode in ["none", "selective", "full"]]
@@ -577,6 +578,14 @@ def test_activation_bytes_follow_the_formula(tmp_path):
             assert math[sp, "none"][0] > fused[sp, "none"][0]
             assert math[sp, "selective"][:2] == fused[sp, "selective"][:2]
         assert fused[True, "none"][1] < fused[False, "none"][1]
+        # The peak of a step holds what the forward saved, and more: the weights, the gradients,
+        # backward's temporaries. Full recomputation lowers it by about what it does not save
+        # (gloo's own buffers move a peak by a few percent from rank to rank).
+        for (sp, mode), (_, batch, _, peak) in fused.items():
+            assert peak > batch, (sp, mode, peak, batch)
+        for sp in [False, True]:
+            (_, kept, _, peak), (_, kept_full, _, peak_full) = fused[sp, "none"], fused[sp, "full"]
+            assert peak - peak_full > (kept - kept_full) / 2, (sp, fused)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,12 @@ For each tp size the ranks are started here (gloo, forked); each builds step 13'
 its train.py does (`build_model`), once per mode, fp32, and measures with saved-tensor hooks
 (tools/memory_table.py's `SavedTensors`: each storage once, parameters left out) what the first
 decoder layer's forward keeps, and what a whole micro-batch's forward keeps, the loss included.
-Then it times forward and backward of a micro-batch in each mode, the modes alternating, repeat
-after repeat, and prints the median.
+Then it measures the peak: the most bytes held at once during a micro-batch's forward and
+backward, every tensor counted (the weights, the activations, the temporaries, the gradients):
+the parameters' bytes plus the most that the step's allocations held at any moment, from
+torch.profiler's memory events, which record each allocation and free on the CPU as on a GPU
+(there `torch.cuda.max_memory_allocated` gives the same). Then it times forward and backward
+of a micro-batch in each mode, the modes alternating, repeat after repeat, and prints the median.
 
 The formula, per layer and rank, in elements (b rows, s tokens, h hidden, F the MLP's width, a
 query heads, k key/value heads, d head dim, t tp ranks; r = t with sequence parallelism, else 1):
@@ -44,7 +48,7 @@ import torch.multiprocessing as mp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_table import SavedTensors, use_step  # noqa: E402
+from memory_table import SavedTensors, storage_bytes, use_step  # noqa: E402
 
 STEP = "step13_sequence_parallel"
 MODES = ["none", "selective", "full"]
@@ -134,7 +138,10 @@ def measure_modes(rank, world, args, results):
             batch = saved.live
             loss.backward()
             saved.wait_for_release("the micro-batch's backward")
-        figures[sp, mode] = [layer, batch, []]
+        model.zero_grad(set_to_none=True)
+        run = lambda: loss_fn(stage(tokens[:, :-1]), tokens[:, 1:]).backward()  # noqa: B023
+        figures[sp, mode] = [layer, batch, [], peak_bytes(run, list(model.parameters()))]
+        model.zero_grad(set_to_none=True)
     for _ in range(args.repeats):  # the modes alternate: the machine's noise falls on each alike
         for (sp, mode), (model, stage, _) in built.items():
             dist.barrier()
@@ -142,9 +149,25 @@ def measure_modes(rank, world, args, results):
             loss_fn(stage(tokens[:, :-1]), tokens[:, 1:]).backward()
             figures[sp, mode][2].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-    results.put(
-        (rank, {key: (lb, mb, statistics.median(ts)) for key, (lb, mb, ts) in figures.items()})
-    )
+    median = {key: (lb, mb, statistics.median(ts), pk) for key, (lb, mb, ts, pk) in figures.items()}
+    results.put((rank, median))
+
+
+def peak_bytes(run, params):
+    """The most bytes held at once while `run()` runs: the parameters' own, plus the most that
+    the allocations made during it (each one's bytes, less those freed, in time order, from
+    torch.profiler's memory events) held at any moment."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    held = most = 0
+    for _, change in changes:
+        held += change
+        most = max(most, held)
+    return storage_bytes(params) + most
 
 
 def _rank(rank, world, args, store_path, results):
@@ -186,16 +209,16 @@ def main(argv=None):
         "bytes kept for backward on rank 0"
     )
     print(f"{'tp':>3} {'sp':>3} {'recompute':>10} {'layer':>12} {'formula':>12} "
-          f"{'micro-batch':>12} {'fwd+bwd ms':>11}")  # fmt: skip
+          f"{'micro-batch':>12} {'peak':>12} {'fwd+bwd ms':>11}")  # fmt: skip
     for tp in args.tp:
         figures = run(tp, args)[0]
         base = {sp: figures[sp, "none"][2] for sp, _ in figures}
-        for (sp, mode), (layer, batch, seconds) in figures.items():
+        for (sp, mode), (layer, batch, seconds, peak) in figures.items():
             want = formula(config, b, s, tp, sp, mode)
             ratio = seconds / base[sp]
             print(
                 f"{tp:>3} {'yes' if sp else 'no':>3} {mode:>10} {layer:>12,} {want:>12,} "
-                f"{batch:>12,} {seconds * 1e3:>7.1f} {ratio:.2f}x"
+                f"{batch:>12,} {peak:>12,} {seconds * 1e3:>7.1f} {ratio:.2f}x"
             )
 
 

@@ -253,9 +253,12 @@ def prepare(args):
     documents = splits(args)
     pool = None
     if args.num_proc > 1:
-        pool = multiprocessing.get_context().Pool(
+        # Spawned, not forked: a fork of a process whose tokenizer has run its thread pool can
+        # inherit a lock held by a thread that is not there, and hang.
+        pool = multiprocessing.get_context("spawn").Pool(
             args.num_proc, initializer=load_worker_tokenizer, initargs=(args.tokenizer_name,)
         )
+        pool.map(time.sleep, [0.1] * args.num_proc, chunksize=1)  # started: not in tokens/s
     else:
         load_worker_tokenizer(args.tokenizer_name)
     try:
