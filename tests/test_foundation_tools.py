@@ -57,6 +57,17 @@ def test_collectives_demo(nproc, numel, torchrun):
     else:
         assert not shown
     assert "all-reduce = reduce-scatter then all-gather: equal on every rank" in out
+    # The ring all-reduce step by step: at reduce-scatter step k rank r has added chunk
+    # r - k - 1 of ranks r - k .. r; at all-gather step k it receives chunk r - k, whole.
+    steps = re.findall(r"^  (RS|AG) (\d+) +(.*)$", out, re.MULTILINE)
+    assert len(steps) == (2 * (n - 1) if numel <= collectives.SHOWN else 0), out
+    m = numel // n
+    for phase, k, cells in steps:
+        k = int(k)
+        for r, (chunk, value) in enumerate(re.findall(r"c(\d+): (\d+)", cells)):
+            c = (r - k - 1) % n if phase == "RS" else (r - k) % n
+            ranks = [(r - j) % n for j in range(k + 1)] if phase == "RS" else range(n)
+            assert (int(chunk), int(value)) == (c, (c * m + 1) * sum(10**j for j in ranks))
     sent = {}
     for row in re.findall(r"^\| ([a-z/ +-]+) \| ([\d |]+) \|", out, re.MULTILINE):
         sent[row[0]] = [int(v) for v in row[1].split("|")[:n]]

@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import textwrap
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,20 +49,22 @@ class Ring:
             request.wait()
 
 
-def ring_reduce_scatter(x, ring):
+def ring_reduce_scatter(x, ring, steps=None):
     """Rank r ends with chunk r of the sum. At step k it passes on chunk r - k - 1, to which it
     has added what it received, and receives chunk r - k - 2: n - 1 steps of one chunk each,
-    (n - 1)/n N sent."""
+    (n - 1)/n N sent. `steps`: a list to append (chunk received, its first element) to."""
     n, r = ring.size, ring.rank
     chunks = [c.clone() for c in x.chunk(n)]
     for k in range(n - 1):
         incoming = torch.empty_like(chunks[(r - k - 2) % n])
         ring.exchange(chunks[(r - k - 1) % n], incoming)
         chunks[(r - k - 2) % n] += incoming
+        if steps is not None:
+            steps.append(((r - k - 2) % n, chunks[(r - k - 2) % n][0].item()))
     return chunks[r]
 
 
-def ring_all_gather(chunk, ring):
+def ring_all_gather(chunk, ring, steps=None):
     """Every rank ends with every rank's chunk, in rank order. At step k rank r passes on chunk
     r - k, which it holds, and receives chunk r - k - 1: (n - 1)/n N sent, N the output's bytes."""
     n, r = ring.size, ring.rank
@@ -69,12 +72,14 @@ def ring_all_gather(chunk, ring):
     chunks[r] = chunk.clone()
     for k in range(n - 1):
         ring.exchange(chunks[(r - k) % n], chunks[(r - k - 1) % n])
+        if steps is not None:
+            steps.append(((r - k - 1) % n, chunks[(r - k - 1) % n][0].item()))
     return torch.cat(chunks)
 
 
-def ring_all_reduce(x, ring):
+def ring_all_reduce(x, ring, steps=None):
     """A reduce-scatter, then an all-gather of its chunks: 2 (n - 1)/n N sent, whatever n is."""
-    return ring_all_gather(ring_reduce_scatter(x, ring), ring)
+    return ring_all_gather(ring_reduce_scatter(x, ring, steps), ring, steps)
 
 
 def ring_broadcast(x, ring, src=0):
@@ -127,10 +132,11 @@ def torch_collectives(x):
 
 
 def ring_collectives(x):
-    """The same as rings of send/receive: {name: (output, bytes this rank sent)}."""
-    results = {}
+    """The same as rings of send/receive: {name: (output, bytes this rank sent)}, and the
+    all-reduce's steps on this rank: (chunk received, its first element) each."""
+    results, steps = {}, []
     for name, run in [
-        ("all-reduce", ring_all_reduce),
+        ("all-reduce", partial(ring_all_reduce, steps=steps)),
         ("reduce-scatter", ring_reduce_scatter),
         ("broadcast", ring_broadcast),
         ("send/recv", ring_shift),
@@ -139,7 +145,7 @@ def ring_collectives(x):
         results[name] = (run(x, ring), ring.sent)
     ring = Ring()  # the all-gather of the reduce-scatter's chunks, as torch's above
     results["all-gather"] = (ring_all_gather(results["reduce-scatter"][0], ring), ring.sent)
-    return results
+    return results, steps
 
 
 def formula(name, n, N):
@@ -178,16 +184,41 @@ def demo(numel):
     """Run every collective both ways on this rank; rank 0 prints and returns the report."""
     n, rank = dist.get_world_size(), dist.get_rank()
     x = demo_tensor(rank, numel)
-    theirs, ours = torch_collectives(x), ring_collectives(x)
+    theirs, (ours, steps) = torch_collectives(x), ring_collectives(x)
     for name in ORDER:  # an internal invariant: the ring is the collective
         assert torch.equal(ours[name][0], theirs[name][1]), (name, rank)
     identity = torch.equal(theirs["all-gather"][1], theirs["all-reduce"][1])
     mine = {name: (theirs[name][0], theirs[name][1], ours[name][1]) for name in ORDER}
     everyone = [None] * n
-    dist.all_gather_object(everyone, (mine, identity))
+    dist.all_gather_object(everyone, (mine, identity, steps))
     if rank == 0:
         print(report(everyone, numel))
     return everyone
+
+
+def ring_steps(everyone, numel):
+    """The ring all-reduce step by step: at each step, the chunk each rank received and its
+    first element after it (each digit one rank's share). Not for tensors too large to show."""
+    n = len(everyone)
+    if numel > SHOWN:
+        return []
+    lines = [
+        "",
+        *textwrap.wrap(
+            f"The ring all-reduce, step by step: at each step rank r receives one of the {n} "
+            f"chunks (c0 to c{n - 1}) from rank r - 1; the reduce-scatter (RS) adds it to its "
+            "own copy, the all-gather (AG) keeps it. A cell: the chunk received and its first "
+            "element after the step, each digit one rank's share. After RS, rank r holds chunk "
+            "r of the sum; after AG, every chunk.",
+            96,
+        ),
+        "  step " + "".join(f"{f'rank {r}':>12}" for r in range(n)),
+    ]
+    for k in range(2 * (n - 1)):
+        phase = f"RS {k + 1}" if k < n - 1 else f"AG {k - n + 2}"
+        cells = [f"c{steps[k][0]}: {steps[k][1]}" for _, _, steps in everyone]
+        lines.append(f"  {phase:<5}" + "".join(f"{cell:>12}" for cell in cells))
+    return lines
 
 
 def report(everyone, numel):
@@ -204,14 +235,15 @@ def report(everyone, numel):
         if numel > SHOWN:
             lines.append(f"  (tensors of over {SHOWN} elements are not printed)")
             continue
-        for rank, (mine, _) in enumerate(everyone):
+        for rank, (mine, _, _) in enumerate(everyone):
             before, after, _ = mine[name]
             lines.append(f"  rank {rank}: {show(before, width)} -> {show(after, width)}")
-    same = all(identity for _, identity in everyone)
+    same = all(identity for _, identity, _ in everyone)
     lines += [
         "",
         f"all-reduce = reduce-scatter then all-gather: {'equal' if same else 'DIFFERENT'} on "
         "every rank",
+        *ring_steps(everyone, numel),
         "",
         *wrap(
             f"Bytes each rank sends, each collective done again as a ring of send/recv (n = {n} "
@@ -224,10 +256,10 @@ def report(everyone, numel):
     ]
     for name in [*ORDER, "reduce-scatter + all-gather"]:
         if name in ORDER:
-            sent = [mine[name][2] for mine, _ in everyone]
+            sent = [mine[name][2] for mine, _, _ in everyone]
             text, value = formula(name, n, N)
         else:
-            sent = [mine["reduce-scatter"][2] + mine["all-gather"][2] for mine, _ in everyone]
+            sent = [mine["reduce-scatter"][2] + mine["all-gather"][2] for mine, _, _ in everyone]
             text, value = "2(n-1)/n N: the all-reduce's", formula("all-reduce", n, N)[1]
         lines.append(f"| {name} | " + " | ".join(map(str, sent)) + f" | {text} = {value} |")
     return "\n".join(lines)
