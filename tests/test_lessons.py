@@ -233,6 +233,22 @@ def test_step11_quotes_the_blocks_each_rank_computes():
     assert f"compute {per_step[0]}, then {per_step[1]}, {per_step[2]} and {per_step[3]}" in text
 
 
+def test_step11_shows_the_block_grid_its_command_draws():
+    """The grid of blocks in step 11's lesson is tools/cp_blocks.py's output, to the character,
+    and every block below the diagonal is computed once, by the rank that holds its queries."""
+    result = run([*LAUNCH, "--python", str(ROOT / "tools" / "cp_blocks.py"), "--cp_size", "4"])
+    assert result.returncode == 0, result.stderr
+    lesson = (ROOT / "step11_context_parallel" / "README.md").read_text()
+    assert f"```text\n{result.stdout}```" in lesson
+    cp_lib = import_step("step11_context_parallel", "context_parallel")
+    rows = [line.split()[1:] for line in result.stdout.splitlines()[3:11]]
+    for q, row in enumerate(rows):
+        cells = " ".join(row).replace("\\", " ").split()
+        owner = next(r for r in range(4) if q in cp_lib.chunk_ids(r, 4))
+        assert cells[: 2 * (q + 1) : 2] == [str(owner)] * (q + 1), (q, row)
+        assert row[-(7 - q) :] == ["."] * (7 - q) if q < 7 else True, (q, row)
+
+
 def test_the_tensor_parallel_picture_is_the_same_in_step4_and_docs():
     picture = code_blocks((ROOT / "docs" / "tp_block.md").read_text())[0]
     assert picture in (ROOT / "step4_tensor_parallel" / "README.md").read_text()
