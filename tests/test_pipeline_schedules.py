@@ -445,3 +445,9 @@ def test_the_simulator_takes_its_costs_from_a_trace(tmp_path, capsys):
         simulate_pipeline.parse_args(["--trace", trace("none.json", [])])
     assert error.value.code == 2
     assert "no forward or backward spans" in capsys.readouterr().err
+    # --weight splits zb1's backward only: a backward of one unit is fine for the others.
+    args = simulate_pipeline.parse_args(["--engine", "1f1b", "--backward", "1"])
+    assert simulate_pipeline.report("1f1b", args)[1] == Fraction(3, 8 + 3)
+    with pytest.raises(SystemExit):
+        simulate_pipeline.parse_args(["--engine", "zb1", "--backward", "1"])
+    assert "--weight 1 must be less than --backward 1" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def parse_args(argv=None):
     for name in ["pp_size", "micro_batches", "virtual_stages", "forward", "backward", "weight"]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.weight >= args.backward:
+    if args.engine in (None, "zb1") and args.weight >= args.backward:  # only zb1 splits it
         parser.error(
             f"--weight {args.weight} must be less than --backward {args.backward}: W is a part "
             f"of the backward, B the rest"
