@@ -39,6 +39,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from muon import moments
 from pipeline_parallel import check_pipeline_parallel
 from placement import Held, placed_parameters, starts
 from process_group_manager import AXES
@@ -46,7 +47,8 @@ from tensor_parallel import check_tensor_parallel
 from utils import log
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-MOMENTS = ["exp_avg", "exp_avg_sq"]  # AdamW's, shaped and split like their parameter
+# AdamW's and Muon's (muon.py), shaped and split like their parameter; each has some of them.
+MOMENTS = ["exp_avg", "exp_avg_sq", "momentum_buffer"]
 
 
 def local_parameters(model):
@@ -177,7 +179,7 @@ def write_slices(folder, model, moments, pgm):
         state = moments[placed.param]
         if writes(pgm, placed.axes):  # of the ranks that hold this piece, the one that writes it
             add("model", name, placed.param, shape, start)
-            for moment in MOMENTS:
+            for moment in (m for m in MOMENTS if m in state):
                 add("optimizer", f"{name}.{moment}", state[moment], shape, start)
         # The step count, a scalar, is the same for every piece: spread over the Held axes only.
         if writes(pgm, {entry.axis for entry in placed.record if isinstance(entry, Held)}):
@@ -289,10 +291,11 @@ def model_shapes(model):
     return {name: shape for shapes in everyone for name, shape in shapes.items()}
 
 
-def check_model(path, index, model):
+def check_model(path, index, model, optimizer):
     """Refuse, before any weight is read, a checkpoint of another model than the one this run
-    built: its parameters' names and full shapes, every stage's, against those in the index.
-    Every rank compares the same, so every rank refuses alike."""
+    built: its parameters' names and full shapes, every stage's, against those in the index;
+    and one of another optimizer (AdamW and Muon keep other state). Every rank compares the
+    same, so every rank refuses alike."""
     config, full = model.config, model_shapes(model)
     saved = {name: entry["shape"] for name, entry in index["model"].items()}
     if saved != full:
@@ -307,7 +310,21 @@ def check_model(path, index, model):
             f"{short(f'{k} {saved[k]} instead of {full[k]}' for k in different)}; resume with "
             f"the --model_name and overrides it was trained with"
         )
-    missing = [f"{name}.{s}" for name in full for s in [*MOMENTS, "step"]]
+    trained, this = [
+        "muon" if muon else "adamw"
+        for muon in [
+            any(key.endswith(".momentum_buffer") for key in index["optimizer"]),
+            any(group.get("muon") for group in optimizer.param_groups),
+        ]
+    ]
+    if trained != this:
+        raise ValueError(
+            f"{path} was trained with --optimizer {trained}, this run has --optimizer {this}: "
+            f"resume it with --optimizer {trained}"
+        )
+    missing = [
+        f"{name}.{s}" for name in full for s in [*moments(optimizer, name, len(full[name])), "step"]
+    ]
     missing = [key for key in missing if key not in index["optimizer"]]
     if missing:
         raise ValueError(f"{path}/index.json has no optimizer state {short(missing)}")
@@ -347,9 +364,10 @@ def read_parameters(path, index, model):
         key = stored_name(placed.name, model.config)
         box = {"start": start, "size": list(placed.param.shape)}
         placed.param.copy_(read("model", key, box))
-        moments = {m: read("optimizer", f"{key}.{m}", box) for m in MOMENTS}
+        saved = [m for m in MOMENTS if f"{key}.{m}" in index["optimizer"]]  # checked: its own
+        held = {m: read("optimizer", f"{key}.{m}", box) for m in saved}
         step = read("optimizer", f"{key}.step", {"start": [], "size": []})  # a scalar
-        states[placed.param] = {"step": step, **moments}
+        states[placed.param] = {"step": step, **held}
     return states
 
 
@@ -359,7 +377,7 @@ def load_checkpoint(path, index, model, optimizer, scheduler, loader, zero):
     pieces; `zero` gives this dp rank its shard of the AdamW state. Returns the step and the
     global batch it was saved at."""
     path = Path(path)
-    check_model(path, index, model)  # on every rank, before any weight is read
+    check_model(path, index, model, optimizer)  # on every rank, before any weight is read
     whole = read_parameters(path, index, model)  # parameter: its whole AdamW state
     zero.load_optimizer_state(optimizer, whole)  # this dp rank's shard of it
     trainer = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from data_parallel import NOTHING_TO_WAIT_FOR
 from placement import (
+    OnWhole,
     Split,
     full_shape,
     grad_norm,
@@ -260,6 +261,7 @@ class FullyShardedDataParallel(nn.Module):
                 module_.register_forward_pre_hook(partial(self.before_forward, unit, after))
                 module_.register_forward_hook(partial(self.after_forward, unit, before))
         self.require_backward_grad_sync = True
+        self.on_whole = OnWhole(module, pgm)  # Muon's: the pieces have records, as tp's slices
 
     def forward_order(self, model):
         """The units in the order this stage's forward runs them (a tied unit at its first use)."""

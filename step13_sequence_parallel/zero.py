@@ -34,10 +34,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from checkpoint import MOMENTS  # AdamW's, elementwise like their parameter
+from checkpoint import MOMENTS  # AdamW's and Muon's, elementwise like their parameter
 from data_parallel import NOTHING_TO_WAIT_FOR, Bucket, DataParallelBucket
+from muon import is_matrix, moments
 from overlap_timeline import NO_TIMELINE
-from placement import grad_norm, placed_parameters
+from placement import grad_norm, placed_parameters, through_whole
 from utils import log
 
 
@@ -184,7 +185,7 @@ class DataParallelZero1(DataParallelBucket):
         buckets = partial(ShardedBucketManager, alone=tied_weight, stage=stage)
         dp_group, _ = pgm.group(*shard_axes)
         super().__init__(module, dp_group, bucket_size_mb, timeline, buckets)
-        self.shard_axes, self.stage = shard_axes, stage
+        self.shard_axes, self.stage, self.pgm = shard_axes, stage, pgm
         self.pieces = {}  # param: (the optimizer's view of its run in this rank's shard, first)
 
     def _accumulate_grad(self, param):
@@ -276,23 +277,56 @@ class DataParallelZero1(DataParallelBucket):
 
     @torch.no_grad()
     def gather_optimizer_state(self, optimizer):
-        """For a checkpoint, on every dp rank: {parameter: its whole AdamW state}. Each moment is
-        put together from the shards through a buffer laid out like the bucket's, as the
+        """For a checkpoint, on every dp rank: {parameter: its whole optimizer state}. Each moment
+        is put together from the shards through a buffer laid out like the bucket's, as the
         parameters are. Holds every moment whole for the time of the save."""
         states = list(optimizer.state.values())
-        assert states, "AdamW has no state before its first step"
+        assert states, "the optimizer has no state before its first step"
+        names = {id(placed.param): placed.name for placed in placed_parameters(self.module)}
         whole = {}
         for bucket in self.bucket_manager.buckets:
-            for moment in MOMENTS:
+            kept = {p: moments(optimizer, names[id(p)], p.ndim) for p, _ in bucket.offsets}
+            for moment in (m for m in MOMENTS if any(m in kind for kind in kept.values())):
                 flat = torch.zeros(bucket.numel, device=bucket.device)
                 for param, _, lo, hi in bucket.in_shard():
-                    flat[lo:hi] = optimizer.state[self.pieces[param][0]][moment]
+                    if moment in kept[param]:
+                        flat[lo:hi] = optimizer.state[self.pieces[param][0]][moment]
                 shard = flat[bucket.start : bucket.end].clone()
                 dist.all_gather_single(flat, shard, self.dp_group)
                 for param, offset in bucket.offsets:
                     state = whole.setdefault(param, {"step": states[0]["step"].clone()})
-                    state[moment] = flat[offset : offset + param.numel()].view_as(param).clone()
+                    if moment in kept[param]:
+                        state[moment] = flat[offset : offset + param.numel()].view_as(param).clone()
         return whole
+
+    @torch.no_grad()
+    def on_whole(self, pieces, updates, fn):
+        """Muon's `on_whole` (muon.py) for the optimizer's pieces of this rank's shard. No rank
+        holds a whole matrix: each bucket that holds one has its updates all-gathered through a
+        buffer laid out like it (as the parameters are after the step), each matrix is put
+        together from its tp slices, `fn` applied on every rank that holds a piece (the same
+        work on each), and the run of the result in this rank's shard kept. Every rank takes part
+        in every gather, even one that holds no piece of a bucket."""
+        update_of = {id(p): update for p, update in zip(pieces, updates, strict=True)}
+        placed = {id(placed.param): placed for placed in placed_parameters(self.module)}
+        done = {}
+        for bucket in self.bucket_manager.buckets:
+            if not any(is_matrix(placed[id(p)].name, p.ndim) for p, _ in bucket.offsets):
+                continue
+            flat = torch.zeros(
+                bucket.dp_size * bucket.grad_shard.numel(), device=bucket.grad_shard.device
+            )
+            mine = [run for run in bucket.in_shard() if id(self.pieces[run[0]][0]) in update_of]
+            for param, _, lo, hi in mine:
+                flat[lo:hi] = update_of[id(self.pieces[param][0])]
+            shard = flat[bucket.start : bucket.end].clone()
+            dist.all_gather_single(flat, shard, self.dp_group)
+            for param, first, lo, hi in mine:
+                offset = lo - first  # where the parameter starts in the buffer
+                update = flat[offset : offset + param.numel()].view_as(param)
+                result = through_whole(update, placed[id(param)].record, self.pgm, fn)
+                done[id(self.pieces[param][0])] = result.reshape(-1)[first : first + hi - lo]
+        return [done[id(p)] for p in pieces]
 
     @torch.no_grad()
     def load_optimizer_state(self, optimizer, whole):
@@ -301,9 +335,9 @@ class DataParallelZero1(DataParallelBucket):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         position = {id(p): i for i, p in enumerate(params)}  # how state_dict() numbers them
         for param, (piece, first) in self.pieces.items():
-            run = slice(first, first + piece.numel())
-            moments = {m: whole[param][m].reshape(-1)[run].clone() for m in MOMENTS}
-            state["state"][position[id(piece)]] = {"step": whole[param]["step"], **moments}
+            run, saved = slice(first, first + piece.numel()), whole[param]
+            held = {m: saved[m].reshape(-1)[run].clone() for m in MOMENTS if m in saved}
+            state["state"][position[id(piece)]] = {"step": whole[param]["step"], **held}
         optimizer.load_state_dict(state)  # moves each tensor to its piece's device
 
 

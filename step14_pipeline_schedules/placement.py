@@ -114,6 +114,39 @@ def placed_parameters(model):
                 yield Placed(f"{prefix}.{name}" if prefix else name, param, record_of(module, name))
 
 
+def gather(tensor, record, pgm):
+    """The full tensor, from every rank's piece of it (this rank's: `tensor`): an all-gather over
+    each split's axis, the last split first, so each one undoes a cut of `piece`."""
+    for split in reversed(cuts(record)):
+        group, _ = pgm.group(split.axis)
+        pieces = [torch.empty_like(tensor) for _ in range(split.size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        tensor = torch.cat(pieces, dim=split.dim)
+    return tensor
+
+
+def through_whole(tensor, record, pgm, fn):
+    """This rank's piece of `fn` applied to the full tensor of which `tensor` is its piece."""
+    return piece(fn(gather(tensor, record, pgm)), record)
+
+
+class OnWhole:
+    """Muon's `on_whole` (muon.py) for the parameters of `model`, found by their records: each
+    update put together whole, `fn` applied to it on every rank that holds a piece (the same
+    work on each: the price of not sending the result back), and this rank's piece kept."""
+
+    def __init__(self, model, pgm):
+        self.model, self.pgm = model, pgm
+
+    def __call__(self, params, updates, fn):
+        placed = {id(placed.param): placed.record for placed in placed_parameters(self.model)}
+        records = [placed[id(param)] for param in params]
+        return [
+            through_whole(update, record, self.pgm, fn)
+            for update, record in zip(updates, records, strict=True)
+        ]
+
+
 def grad_norm(pieces, pgm, axes, device=None):
     """The norm of the whole model's gradient from this rank's `pieces`, pairs (gradient, the axes
     it is spread over: `Placed.axes`, and a sharded optimizer's axes for its shard of it). `axes`:

@@ -35,6 +35,7 @@ from fully_sharded import (
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
+from muon import Muon, muon_groups
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
     SCHEDULES,
@@ -207,10 +208,17 @@ def build_model(ctx, config):
     return model
 
 
-def build_optimizer(ctx, model, shard):
-    """AdamW, weight decay on matrices only (not norms); linear warm-up, cosine decay to 10 %.
-    ZeRO-1: `shard(params)` gives this rank's pieces of them, all that it updates."""
+def build_optimizer(ctx, model, zero):
+    """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py); linear
+    warm-up, then the --lr_schedule down to 10 %. ZeRO-1: `zero.shard(params)` gives this
+    rank's pieces of them, all that it updates; Muon orthogonalises whole matrices, which
+    `zero.on_whole` puts together from the pieces."""
     args, device, dtype, pgm = ctx
+    shard = zero.shard
+    if args.optimizer == "muon":
+        groups = muon_groups(model, args, shard)
+        optimizer = Muon(groups, lr=args.learning_rate, on_whole=zero.on_whole)
+        return optimizer, warmup_cosine(optimizer, args)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": shard([p for p in params if p.ndim >= 2]), "weight_decay": args.weight_decay},
@@ -371,7 +379,7 @@ def main(argv=None):
         wrapped = DataParallelZero1(
             wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
         )
-    optimizer, scheduler = build_optimizer(ctx, model, wrapped.shard)
+    optimizer, scheduler = build_optimizer(ctx, model, wrapped)
     ### end ZeRO-1
     params = sum(p.numel() for p in model.parameters())
     log(f"model {args.model_name}: {params:,} parameters per rank on {device}, autocast {dtype}")

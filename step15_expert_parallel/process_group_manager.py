@@ -99,6 +99,9 @@ class ProcessGroupManager:
         # Those that hold the same experts: their gradients are averaged and sharded here.
         edp_cp = cube.permute(0, 2, 1, 3)  # (groups, ep, edp, cp)
         self.edp_cp_group, self.edp_cp_group_ids = self.subgroups(edp_cp, self.edp_size * cp_size)
+        # edp alone: what ZeRO-3 cuts an expert over, besides cp (Muon puts it together again).
+        edp = cube.permute(0, 2, 3, 1)  # (groups, ep, cp, edp)
+        self.edp_group, self.edp_group_ids = self.subgroups(edp, self.edp_size)
         ### end Expert parallelism
 
         self.pp_is_first_stage = self.pp_rank == 0

@@ -30,6 +30,7 @@ from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
+from muon import Muon, muon_groups
 from process_group_manager import ProcessGroupManager, check_sizes
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
 
@@ -103,8 +104,12 @@ def build_model(ctx, config):
 
 
 def build_optimizer(ctx, model):
-    """AdamW, weight decay on matrices only (not norms); linear warm-up, cosine decay to 10 %."""
+    """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py); linear
+    warm-up, then the --lr_schedule down to 10 %."""
     args, device, dtype, pgm = ctx
+    if args.optimizer == "muon":
+        optimizer = Muon(muon_groups(model, args), lr=args.learning_rate)
+        return optimizer, warmup_cosine(optimizer, args)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},

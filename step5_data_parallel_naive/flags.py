@@ -39,7 +39,7 @@ AT_LEAST_ONE = [
     "num_proc",
     "max_nonfinite_skips",
 ]
-ABOVE_ZERO = ["learning_rate", "grad_clip", "dist_timeout_s"]
+ABOVE_ZERO = ["learning_rate", "muon_learning_rate", "grad_clip", "dist_timeout_s"]
 ZERO_OR_MORE = ["weight_decay", "warmup_steps", "eval_every", "sample_tokens"]
 ZERO_OR_MORE += ["early_stopping_patience"]
 
@@ -73,6 +73,18 @@ def make_parser(description):
         "--decay_fraction", type=float, default=0.2, help="wsd: the steps that decay, a fraction"
     )
     train.add_argument("--weight_decay", type=float, default=0.1)
+    train.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: Muon for the decoder layers' weight matrices, AdamW for the rest (muon.py)",
+    )
+    train.add_argument(
+        "--muon_learning_rate",
+        type=float,
+        default=0.02,
+        help="--optimizer muon: the matrices' rate (--learning_rate is the rest's)",
+    )
     train.add_argument("--grad_clip", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=42)
     train.add_argument(

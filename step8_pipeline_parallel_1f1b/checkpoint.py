@@ -135,6 +135,16 @@ def check_same_model(path, config):
         )
 
 
+def check_same_optimizer(path, groups, optimizer):
+    """Refuse a checkpoint of AdamW in a run of Muon, and the other way: their state differs."""
+    trained = "muon" if any(group.get("muon") for group in groups) else "adamw"
+    if trained != optimizer:
+        raise ValueError(
+            f"checkpoint {path} was trained with --optimizer {trained}, this run has --optimizer "
+            f"{optimizer}: resume it with --optimizer {trained}"
+        )
+
+
 def load_checkpoint(ctx, state, path):
     """Restore everything `save_checkpoint` wrote; returns the step it was saved at."""
     path, shard, model, device = Path(path), shard_name(ctx.pgm), state.model, ctx.device
@@ -151,6 +161,7 @@ def load_checkpoint(ctx, state, path):
     check_same_model(path, model.config)
     load_model(model, str(path / f"model-{shard}.safetensors"), device=str(device))
     saved = torch.load(path / f"trainer_state-{shard}.pt", map_location=device, weights_only=True)
+    check_same_optimizer(path, saved["optimizer"]["param_groups"], ctx.args.optimizer)
     state.optimizer.load_state_dict(saved["optimizer"])
     state.scheduler.load_state_dict(saved["scheduler"])
     state.train_loader.load_state_dict(saved["data"])

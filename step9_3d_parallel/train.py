@@ -29,6 +29,7 @@ from flags import add_trace_flag, load_config, make_parser, parse
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
+from muon import Muon, muon_groups
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
     SCHEDULES,
@@ -41,6 +42,7 @@ from pipeline_parallel import (
     run_schedule,
 )
 from pipeline_timeline import NoTimeline, Timeline
+from placement import OnWhole
 from process_group_manager import ProcessGroupManager, check_sizes
 from tensor_parallel import (
     Gather,
@@ -148,8 +150,14 @@ def build_model(ctx, config):
 
 
 def build_optimizer(ctx, model):
-    """AdamW, weight decay on matrices only (not norms); linear warm-up, cosine decay to 10 %."""
+    """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py), which
+    puts each matrix together from its tp slices (`OnWhole`); linear warm-up, then the
+    --lr_schedule down to 10 %."""
     args, device, dtype, pgm = ctx
+    if args.optimizer == "muon":
+        on_whole = OnWhole(model, pgm)  # each rank orthogonalises whole matrices
+        optimizer = Muon(muon_groups(model, args), lr=args.learning_rate, on_whole=on_whole)
+        return optimizer, warmup_cosine(optimizer, args)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
