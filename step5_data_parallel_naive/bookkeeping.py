@@ -484,13 +484,15 @@ class Run:
         this one's --learning_rate, --warmup_steps and last step (unchanged flags: the same
         rate, to the bit). Says so when the rate changes, as when a run is extended."""
         args, step = self.args, self.start_step
-        saved = optimizer.param_groups[0]["lr"]
+        groups, saved = optimizer.param_groups, optimizer.param_groups[0]["lr"]
         factor = lr_factor(args, self.max_steps)
-        scheduler.lr_lambdas = [factor for _ in optimizer.param_groups]
-        rate = args.learning_rate * factor(step)
-        scheduler.base_lrs = [args.learning_rate for _ in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group.update(initial_lr=args.learning_rate, lr=rate)
+        scheduler.lr_lambdas = [factor for _ in groups]
+        # Each group's own rate: --muon_learning_rate for Muon's matrices (muon.py).
+        rates = [args.muon_learning_rate if g.get("muon") else args.learning_rate for g in groups]
+        scheduler.base_lrs = rates
+        for group, base in zip(groups, rates, strict=True):
+            group.update(initial_lr=base, lr=base * factor(step))
+        rate = groups[0]["lr"]
         if rate != saved:
             log(
                 f"the learning rate of step {step + 1} is {rate:.3e} with this run's "

@@ -206,7 +206,7 @@ def test_a_checkpoint_of_another_model_is_refused(reference):
     checkpoint = checkpoint_module()
     index = checkpoint.check_checkpoint(reference[1])
     with pytest.raises(ValueError, match=r"another model .*3 layers.*missing \[model\.layers\.2"):
-        checkpoint.check_model(reference[1], index, model)
+        checkpoint.check_model(reference[1], index, model, torch.optim.AdamW(model.parameters()))
 
 
 def test_the_trainer_refuses_a_checkpoint_without_a_tensor_of_its_model(tmp_path, reference):
