@@ -580,7 +580,7 @@ def against_fully_shard(rank, world, steps, results):
     model = train.build_model(ctx, config)
     stage, tied = train.PipelineParallel(model), train.TiedEmbeddings(model, pgm)
     wrapped = train.FullyShardedDataParallel(stage, model, pgm, ("dp", "cp"))
-    optimizer, scheduler = train.build_optimizer(ctx, model, wrapped.shard)
+    optimizer, scheduler = train.build_optimizer(ctx, model, wrapped)
     shape = (args.micro_batch_size, args.seq_len, config.hidden_size)
     state = train.State(model, wrapped, optimizer, scheduler, None, None, None, stage, tied, shape)
 
@@ -593,7 +593,7 @@ def against_fully_shard(rank, world, steps, results):
         return reference
 
     def adamw(reference):  # the step's AdamW, its groups and its schedule
-        return train.build_optimizer(ctx, reference, lambda params: params)
+        return train.build_optimizer(ctx, reference, SimpleNamespace(shard=list))  # unsharded
 
     fsdp = dense()
     mesh = init_device_mesh("cpu", (world,))
