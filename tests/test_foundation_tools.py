@@ -87,6 +87,40 @@ def test_the_collectives_lesson_shows_the_demos_output():
     assert pasted == result.stdout
 
 
+def test_zero_steps_shows_each_phase_of_step_10_and_its_lesson_pastes_it():
+    """tools/zero_steps.py: after the reduce-scatter each rank's own shard is the mean of the
+    ranks' gradients, clipped by the whole norm; after the update only its own shard moved;
+    after the all-gather every rank holds the same weight. Step 10's lesson pastes the output."""
+    script = str(ROOT / "tools" / "zero_steps.py")
+    result = subprocess.run(
+        [*LAUNCH, "--nproc_per_node=4", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    phases, n = result.stdout.split("\n")[:-1], 4
+    rows = {}  # phase: each rank's numbers
+    for i in range(5):
+        lines = phases[i * (n + 1) + 1 : (i + 1) * (n + 1)]
+        rows[i + 1] = [
+            torch.tensor([float(v) for v in line.split(":")[1].replace("|", " ").replace("[", " ")
+                          .replace("]", " ").split()])
+            for line in lines
+        ]  # fmt: skip
+    grads = torch.stack(rows[1])  # (n, 8)
+    mean, shard = grads.mean(0), 8 // n
+    for r in range(n):
+        own = slice(r * shard, (r + 1) * shard)
+        torch.testing.assert_close(rows[2][r][own], mean[own], atol=1e-3, rtol=0)
+        clip = min(1.0, 10.0 / mean.norm().item())
+        torch.testing.assert_close(rows[3][r][own], mean[own] * clip, atol=1e-3, rtol=0)
+        moved = rows[4][r] != torch.arange(8.0)
+        assert moved[own].all() and not moved.sum() > shard, rows[4][r]
+        assert torch.equal(rows[5][r], rows[5][0])
+        torch.testing.assert_close(rows[5][r][own], rows[4][r][own])
+    lesson = (ROOT / "step10_zero1" / "README.md").read_text()
+    pasted = lesson.split("tools/zero_steps.py\n```\n\n```\n", 1)[1].split("```\n", 1)[0]
+    assert pasted == result.stdout
+
+
 def test_collectives_demo_refuses_a_tensor_it_cannot_scatter():
     result = demo(4, 6, torchrun=False)
     assert result.returncode == 2
