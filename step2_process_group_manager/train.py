@@ -11,7 +11,6 @@ grid that does not fit the world.
 import math
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from comm_stats import CommStats
 from model import LlamaForCausalLM
 from process_group_manager import ProcessGroupManager, check_sizes
 from utils import (
@@ -74,9 +72,6 @@ def parse_args(argv=None):
     parallel.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks")
     parallel.add_argument("--dp_size", type=int, default=1, help="data-parallel ranks")
     parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
-    parallel.add_argument(
-        "--comm_stats", action="store_true", help="log what the first step sends, by group and kind"
-    )
     args = parser.parse_args(argv)
     for name in [
         "seq_len",
@@ -239,14 +234,9 @@ def main(argv=None):
     flops, peak = flops_per_token(config, args.seq_len), peak_flops(device, args.peak_tflops)
     for step in range(1, args.max_steps + 1):
         start, lr = time.perf_counter(), scheduler.get_last_lr()[0]
-        # --comm_stats: every collective and send/receive of the first step, by group and kind.
-        # Here none: every rank trains its own copy.
-        with CommStats(pgm) if args.comm_stats and step == 1 else nullcontext() as stats:
-            loss, grad_norm = train_step(
-                step_fn, micro_batches, optimizer, scheduler, args, device, dtype
-            )
-        if stats:
-            log(stats.table(), all_ranks=True)
+        loss, grad_norm = train_step(
+            step_fn, micro_batches, optimizer, scheduler, args, device, dtype
+        )
         tokens_per_second = tokens_per_step / (time.perf_counter() - start)
         if step % args.log_every == 0 or step == args.max_steps:
             log(

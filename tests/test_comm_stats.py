@@ -1,6 +1,6 @@
-"""The communication ledger (comm_stats.py, steps 2-11): what it counts for each kind of call, and
-one training step of each layout against the formulas of the lessons, so that a layout that
-starts to send more (an extra all-reduce, a gradient synchronised twice) fails here.
+"""The communication ledger (comm_stats.py, from step 3 on): what it counts for each kind of
+call, and one training step of each layout against the formulas of the lessons, so that a layout
+that starts to send more (an extra all-reduce, a gradient synchronised twice) fails here.
 
 All in fp32 on 2 gloo ranks, B x T x D = 2 x 16 x 32, 2 layers. "sent" is what a rank sends under
 the ring algorithms: 2 (n-1)/n of an all-reduce, (n-1)/n of a reduce-scatter or all-gather (of the
@@ -147,7 +147,7 @@ def ledger_checks(rank, world):
 
 
 def test_ledger_counts_every_kind_of_call_and_puts_torch_back(tmp_path):
-    spawn("step2_process_group_manager", ledger_checks, 2, tmp_path, timeout=60)
+    spawn("step3_dataloader", ledger_checks, 2, tmp_path, timeout=60)
 
 
 # ---- tensor parallelism (step 4) --------------------------------------------------------------
