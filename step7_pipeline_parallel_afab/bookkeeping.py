@@ -85,7 +85,8 @@ def write_run_file(args):
 def start_profiler(folder, device):
     """With --profile DIR: torch.profiler skips step 1 (first-call overheads), warms up on step 2,
     records steps 3 to 5 and writes one Chrome trace per rank into DIR (chrome://tracing,
-    ui.perfetto.dev or TensorBoard open it). None without the flag."""
+    ui.perfetto.dev or TensorBoard open it), with every allocation and free in it
+    (tools/trace_memory.py reads the most held at once). None without the flag."""
     if not folder:
         return None
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -98,6 +99,7 @@ def start_profiler(folder, device):
             folder, worker_name=f"rank{dist.get_rank()}"
         ),
         record_shapes=True,
+        profile_memory=True,
     )
     profiler.start()
     return profiler

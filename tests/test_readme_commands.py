@@ -200,9 +200,10 @@ def parse(command):
 
 
 def overrides(command, args):
-    """Two steps, the test-size model; the flags the command gives itself are kept."""
+    """Two steps (three with --profile, which records from step 3), the test-size model; the
+    flags the command gives itself are kept."""
     given = {token for token in command.args if token.startswith("--")}
-    extra = {"--max_steps": "2", **model_size(args)}
+    extra = {"--max_steps": "3" if "--profile" in given else "2", **model_size(args)}
     if int(re.match(r"step(\d+)", command.step)[1]) >= 3:  # the data flags come with step 3
         extra.update({"--eval_steps": "1", "--sample_tokens": "4", "--num_proc": "1"})
     return [s for k, v in extra.items() if k == "--max_steps" or k not in given for s in (k, v)]
@@ -295,4 +296,5 @@ def test_command(command, workdirs):
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{output[-4000:]}"
     if command.trains and "--resume" not in command.args:  # a resumed run may have no step left
-        assert re.search(r"step 2/2 \| loss", output), f"{command}\n{output[-4000:]}"
+        last = 3 if "--profile" in command.args else 2
+        assert re.search(rf"step {last}/{last} \| loss", output), f"{command}\n{output[-4000:]}"

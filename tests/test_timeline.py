@@ -31,6 +31,16 @@ def test_profile_writes_one_trace_per_rank(tmp_path):
     for path in traces:
         events = json.loads(path.read_text())["traceEvents"]
         assert any(e.get("name") == "aten::mm" for e in events)  # the model's matmuls
+    # With every allocation in it: tools/trace_memory.py prints each rank's most held at once.
+    tool = [sys.executable, str(ROOT / "tools" / "trace_memory.py")]
+    shown = subprocess.run([*tool, str(tmp_path / "profile")], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    for path, line in zip(traces, shown.stdout.splitlines(), strict=True):
+        events = json.loads(path.read_text())["traceEvents"]
+        sizes = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+        assert max(sizes) > 0 and line.endswith(f"bytes: cpu {max(sizes):,}"), line
+    empty = subprocess.run([*tool, str(tmp_path)], capture_output=True, text=True)
+    assert empty.returncode == 2 and "no trace" in empty.stderr, empty.stderr
 
 
 def test_profile_refuses_a_run_too_short_to_record():
