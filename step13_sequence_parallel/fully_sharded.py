@@ -52,6 +52,11 @@ from zero import optimizer_state_bytes
 
 def check_zero_stage(parser, args):
     """Refuse, before anything runs, a --zero_stage that this layout cannot use."""
+    if args.reshard_after_forward == "never" and args.zero_stage != 3:
+        parser.error(
+            f"--reshard_after_forward never keeps stage 3's gathered weights; with --zero_stage "
+            f"{args.zero_stage} nothing is gathered: drop it, or use --zero_stage 3"
+        )
     if args.zero_stage == 1:
         return
     if args.dp_size * args.cp_size == 1:
@@ -129,6 +134,7 @@ class Unit:
         self.handle = None  # the all-gather in flight
         self.received = torch.empty(0, device=device)
         self.measure = lambda grad_bytes=0: None  # the wrapper's count of the bytes gathered
+        self.reshard = True  # freed after each forward and backward, or kept till the step's end
 
     def bytes(self):
         """What the unit holds beyond its pieces: its whole weights, or their all-gather."""
@@ -212,7 +218,8 @@ class Unit:
         self.measure(grad.numel() * grad.element_size())  # the whole gradient, alive till here
         full.grad = None
         self.use_pieces()
-        self.free()
+        if self.reshard:
+            self.free()
 
 
 def units_of(model):
@@ -243,16 +250,19 @@ class FullyShardedDataParallel(nn.Module):
     the model's modules gather each unit before it computes and free it after, so evaluation and
     sampling, which call the stage without this wrapper, gather too. The optimizer updates the
     pieces themselves (`shard` gives them as they are). `shard_axes`: the axes over which the
-    parameters are cut (`shard_parameters`) and the gradients averaged."""
+    parameters are cut (`shard_parameters`) and the gradients averaged. `reshard`: free a unit's
+    weights after each of its forwards and backwards; False keeps them from the step's first
+    forward to its end (fewer all-gathers over many micro-batches, the stage's whole weights
+    held: torchtitan's reshard_after_forward for pipelines)."""
 
-    def __init__(self, module, model, pgm, shard_axes):
+    def __init__(self, module, model, pgm, shard_axes, reshard=True):
         super().__init__()
         self.module, self.shard_axes = module, shard_axes
         self.dp_group, _ = pgm.group(*shard_axes)
         self.units = [Unit(*unit, self.dp_group) for unit in units_of(model)]
         self.most_gathered = 0
         for unit in self.units:
-            unit.measure = self.measure
+            unit.measure, unit.reshard = self.measure, reshard
         order = self.forward_order(model)
         for i, unit in enumerate(order):
             after = order[i + 1] if i + 1 < len(order) else None
@@ -296,7 +306,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def after_forward(self, unit, before, module, args, output):
         unit.use_pieces()
-        unit.free()
+        if unit.reshard:
+            unit.free()
         if torch.is_grad_enabled() and output.requires_grad:  # backward will need it again
             output.register_hook(partial(self.before_backward, unit, before))
         return output

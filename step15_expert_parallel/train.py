@@ -138,6 +138,11 @@ def parse_args(argv=None):
         help="what is sharded over dp x cp: 1 the optimizer state, 2 also the gradients, 3 also "
         "the parameters",
     )  # fmt: skip
+    parallel.add_argument(
+        "--reshard_after_forward", choices=["always", "never"], default="always",
+        help="--zero_stage 3: free a unit's weights after each forward and backward (always), or "
+        "keep them gathered until the step's end (never: one all-gather per step)",
+    )  # fmt: skip
     ### end ZeRO-2 and ZeRO-3
     ### begin Activation memory
     parallel.add_argument(
@@ -411,7 +416,8 @@ def main(argv=None):
     axes = ("dp", "cp")
     timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
     if args.zero_stage == 3:
-        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes)
+        reshard = args.reshard_after_forward == "always"
+        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard)
     else:
         wrapped = DataParallelZero1(
             wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage

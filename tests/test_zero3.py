@@ -671,6 +671,29 @@ def test_evaluation_on_fewer_micro_batches_than_ranks_ends(tmp_path):
     assert losses[3] == pytest.approx(losses[1], rel=1e-5), losses
 
 
+def test_kept_gathered_across_micro_batches_trains_alike_with_one_all_gather_per_unit(tmp_path):
+    """dp 2 x pp 2 (1F1B), 4 micro-batches, stage 3: with --reshard_after_forward never a unit
+    is gathered once in the step, not before each of its 4 forwards and 4 backwards, and holds
+    its stage's whole weights meanwhile; the gradients and so the training are the same, to the
+    bit (each micro-batch's still reduce-scattered alone)."""
+    flags = [*TINY, "--max_steps", "3", "--eval_every", "0", "--sample_tokens", "0"]
+    flags += ["--dp_size", "2", "--pp_size", "2", "--pp_engine", "1f1b", "--zero_stage", "3"]
+    flags += ["--gradient_accumulation_steps", "4", "--num_proc", "1", "--comm_stats"]
+    records = {}
+    for mode in ["always", "never"]:
+        log = tmp_path / f"{mode}.jsonl"
+        args = [*flags, "--reshard_after_forward", mode, "--log_file", str(log)]
+        check(run_step(S12, args, nproc=4))
+        records[mode] = read_log(log)
+    strip = lambda rs: [(r["loss"], r["grad_norm"]) for r in rs]  # noqa: E731
+    assert strip(records["never"]) == strip(records["always"])
+    calls = {mode: records[mode][0]["comm"]["dp_cp"]["all-gather"] for mode in records}
+    assert calls["always"]["calls"] == 2 * 4 * calls["never"]["calls"], calls
+    assert calls["always"]["bytes"] == 2 * 4 * calls["never"]["bytes"], calls
+    held = {mode: records[mode][0]["held_bytes"]["gathered_at_most"] for mode in records}
+    assert held["never"] > held["always"], held
+
+
 @pytest.mark.parametrize(
     "flags, nproc, message",
     [
@@ -678,8 +701,9 @@ def test_evaluation_on_fewer_micro_batches_than_ranks_ends(tmp_path):
         (["--zero_stage", "3", "--dp_size", "2", "--compile"], 2, "does not run under --compile"),
         (["--zero_stage", "2", "--dp_size", "2", "--dp_timeline"], 2, "use --profile DIR"),
         (["--zero_stage", "3", "--dp_size", "3"], 3, "cuts each parameter's rows over dp x cp = 3"),
+        (["--reshard_after_forward", "never"], 1, "with --zero_stage 1 nothing is gathered"),
     ],
-    ids=["nothing-to-shard", "compile", "timeline", "rows"],
+    ids=["nothing-to-shard", "compile", "timeline", "rows", "reshard"],
 )
 def test_what_cannot_work_is_refused_before_the_first_step(flags, nproc, message):
     result = run_step(S12, [*TINY, "--max_steps", "2", *flags], nproc=nproc)
