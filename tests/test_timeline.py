@@ -43,6 +43,36 @@ def test_profile_writes_one_trace_per_rank(tmp_path):
     assert empty.returncode == 2 and "no trace" in empty.stderr, empty.stderr
 
 
+def test_trace_overlap_counts_the_all_gathers_time_beside_the_training_threads_operators(tmp_path):
+    """A trace as the profiler writes it: the training thread (the one with the matmuls) runs two
+    ATen operators, 0-10 and 20-30 ms, inside an autograd span, and calls c10d at 12-13 ms; neither
+    of those counts (a thread that waits in a hook is inside an autograd span too). gloo's thread
+    all-gathers from 5 to 25 ms: 10 of its 20 ms hidden."""
+    span = lambda name, tid, ms, dur, cat="cpu_op": {  # noqa: E731
+        "ph": "X",
+        "name": name,
+        "tid": tid,
+        "ts": 1000 * ms,
+        "dur": 1000 * dur,
+        "cat": cat,
+    }
+    events = [
+        span("autograd::engine::evaluate_function: MmBackward0", 1, 0, 40),
+        span("aten::mm", 1, 0, 10), span("aten::addmm", 1, 20, 10),
+        span("c10d::_allgather_base_", 1, 12, 1),
+        span("gloo:all_gather", 2, 5, 20, "user_annotation"),
+    ]  # fmt: skip
+    folder = tmp_path / "profile"
+    folder.mkdir()
+    (folder / "rank0.1.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    tool = [sys.executable, str(ROOT / "tools" / "trace_overlap.py"), str(folder)]
+    result = subprocess.run(tool, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(
+        "1 all-gathers, 20.0 ms, 10.0 ms of it while the training thread computed (50 %)\n"
+    ), result.stdout
+
+
 def test_profile_refuses_a_run_too_short_to_record():
     args = [*TINY, "--max_steps", "2", "--profile", "p"]
     result = run_step("step3_dataloader", args, torchrun=False)
