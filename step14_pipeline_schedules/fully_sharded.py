@@ -130,7 +130,10 @@ class Unit:
         # whose gradient autograd builds. Its memory exists only while it is gathered.
         self.full = torch.zeros(self.size * numel, device=device, requires_grad=True)
         self.free()
-        self.full.register_post_accumulate_grad_hook(self.reduce_scatter)
+        self.full.register_post_accumulate_grad_hook(self.accumulated)
+        # Gradients that reach `full` in one micro-batch's backward: 1, autograd summing every
+        # use's; under a split backward (zero_bubble.py) each weight hands its own over in W.
+        self.expect, self.arrived = 1, 0
         self.handle = None  # the all-gather in flight
         self.received = torch.empty(0, device=device)
         self.measure = lambda grad_bytes=0: None  # the wrapper's count of the bytes gathered
@@ -194,6 +197,13 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
+    def accumulated(self, full):
+        """After autograd added a gradient to `full`: reduce-scatter once all of them are in."""
+        self.arrived += 1
+        if self.arrived == self.expect:
+            self.arrived = 0
+            self.reduce_scatter(full)
+
     @torch.no_grad()
     def reduce_scatter(self, full):
         """The unit's whole gradient is complete: each rank keeps the average of its rows, added
@@ -255,7 +265,7 @@ class FullyShardedDataParallel(nn.Module):
     forward to its end (fewer all-gathers over many micro-batches, the stage's whole weights
     held: torchtitan's reshard_after_forward for pipelines)."""
 
-    def __init__(self, module, model, pgm, shard_axes, reshard=True):
+    def __init__(self, module, model, pgm, shard_axes, reshard=True, split_backward=False):
         super().__init__()
         self.module, self.shard_axes = module, shard_axes
         self.dp_group, _ = pgm.group(*shard_axes)
@@ -263,6 +273,8 @@ class FullyShardedDataParallel(nn.Module):
         self.most_gathered = 0
         for unit in self.units:
             unit.measure, unit.reshard = self.measure, reshard
+            if split_backward:  # W hands over each use's gradient apart: wait for them all
+                unit.expect = len(unit.uses)
         order = self.forward_order(model)
         for i, unit in enumerate(order):
             after = order[i + 1] if i + 1 < len(order) else None

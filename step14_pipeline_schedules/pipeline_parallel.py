@@ -301,11 +301,6 @@ def check_schedule(parser, args):
     engine, v, m = args.pp_engine, args.pp_virtual_stages, args.gradient_accumulation_steps
     if v < 1:
         parser.error(f"--pp_virtual_stages must be at least 1, got {v}")
-    if engine in SPLIT_BACKWARD and args.zero_stage == 3:
-        parser.error(
-            f"--pp_engine {engine} defers the weight gradients past the backward, at whose end "
-            f"ZeRO-3 reduce-scatters each unit's gradient: use --zero_stage 1 or 2"
-        )
     if engine in SPLIT_BACKWARD and args.compile:
         parser.error(
             f"--pp_engine {engine} splits the backward in autograd functions that torch.compile "

@@ -417,7 +417,8 @@ def main(argv=None):
     timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
     if args.zero_stage == 3:
         reshard = args.reshard_after_forward == "always"
-        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard)
+        split = args.pp_engine in SPLIT_BACKWARD  # zero bubble: W hands each gradient over
+        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard, split)
     else:
         wrapped = DataParallelZero1(
             wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage

@@ -623,7 +623,7 @@ STEPS = [
          bench={"sp": 2}, blanks=SP_BLANKS, graded=SP_GRADED),
     Step("step14_pipeline_schedules",
          ("pipeline_parallel.py", "zero_bubble.py", "tensor_parallel.py", "pipeline_timeline.py",
-          "train.py", "README.md"),
+          "fully_sharded.py", "train.py", "README.md"),
          ("pipeline_parallel.py", "zero_bubble.py", "tensor_parallel.py", "pipeline_timeline.py"),
          convergence=(("interleaved_pp2_v2", 2, INTERLEAVED, 1),
                       ("interleaved_pp2_v2_tp2_sp", 4, (*INTERLEAVED, *SP2), 1),
