@@ -28,7 +28,7 @@ from flags import add_trace_flag, load_config, make_parser, parse
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
-from muon import Muon, muon_groups
+from muon import make_optimizer
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
     SCHEDULES,
@@ -159,18 +159,7 @@ def build_optimizer(ctx, model, zero):
     rank's pieces of them, all that it updates; Muon orthogonalises whole matrices, which
     `zero.on_whole` puts together from the pieces."""
     args, device, dtype, pgm = ctx
-    shard = zero.shard
-    if args.optimizer == "muon":
-        groups = muon_groups(model, args, shard)
-        optimizer = Muon(groups, lr=args.learning_rate, on_whole=zero.on_whole)
-        return optimizer, warmup_cosine(optimizer, args)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": shard([p for p in params if p.ndim >= 2]), "weight_decay": args.weight_decay},
-        {"params": shard([p for p in params if p.ndim < 2]), "weight_decay": 0.0},
-    ]
-    fused = device.type in ("cuda", "cpu")
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)
+    optimizer = make_optimizer(model, args, device, zero.shard, zero.on_whole)
     return optimizer, warmup_cosine(optimizer, args)
 
 

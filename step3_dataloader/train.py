@@ -30,7 +30,7 @@ from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
-from muon import Muon, muon_groups
+from muon import make_optimizer
 from process_group_manager import ProcessGroupManager, check_sizes
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
 
@@ -107,16 +107,7 @@ def build_optimizer(ctx, model):
     """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py); linear
     warm-up, then the --lr_schedule down to 10 %."""
     args, device, dtype, pgm = ctx
-    if args.optimizer == "muon":
-        optimizer = Muon(muon_groups(model, args), lr=args.learning_rate)
-        return optimizer, warmup_cosine(optimizer, args)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    fused = device.type in ("cuda", "cpu")
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)
+    optimizer = make_optimizer(model, args, device)
     return optimizer, warmup_cosine(optimizer, args)
 
 

@@ -143,3 +143,18 @@ def muon_groups(model, args, shard=list):
         {"params": shard(others), "muon": False, "weight_decay": wd},
         {"params": shard(vectors), "muon": False, "weight_decay": 0.0},
     ]
+
+
+def make_optimizer(model, args, device, shard=list, on_whole=one_device):
+    """--optimizer adamw: PyTorch's AdamW, weight decay on matrices only (not norms); muon: `Muon`
+    over `muon_groups`. `shard`: what this rank updates of a list of parameters; `on_whole`: how
+    Muon gets whole matrices from this rank's pieces."""
+    if args.optimizer == "muon":
+        return Muon(muon_groups(model, args, shard), lr=args.learning_rate, on_whole=on_whole)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": shard([p for p in params if p.ndim >= 2]), "weight_decay": args.weight_decay},
+        {"params": shard([p for p in params if p.ndim < 2]), "weight_decay": 0.0},
+    ]
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)

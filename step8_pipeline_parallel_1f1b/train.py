@@ -27,7 +27,7 @@ from dataloader import MicroBatchDataLoader, load_data
 from flags import add_trace_flag, load_config, make_parser, parse
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
-from muon import Muon, muon_groups
+from muon import make_optimizer
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from pipeline_parallel import (
     SCHEDULES,
@@ -150,17 +150,7 @@ def build_optimizer(ctx, model):
     puts each matrix together from its tp slices (`OnWhole`); linear warm-up, then the
     --lr_schedule down to 10 %."""
     args, device, dtype, pgm = ctx
-    if args.optimizer == "muon":
-        on_whole = OnWhole(model, pgm)  # each rank orthogonalises whole matrices
-        optimizer = Muon(muon_groups(model, args), lr=args.learning_rate, on_whole=on_whole)
-        return optimizer, warmup_cosine(optimizer, args)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    fused = device.type in ("cuda", "cpu")
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)
+    optimizer = make_optimizer(model, args, device, on_whole=OnWhole(model, pgm))
     return optimizer, warmup_cosine(optimizer, args)
 
 

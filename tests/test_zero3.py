@@ -593,7 +593,8 @@ def against_fully_shard(rank, world, steps, results):
         return reference
 
     def adamw(reference):  # the step's AdamW, its groups and its schedule
-        return train.build_optimizer(ctx, reference, SimpleNamespace(shard=list))  # unsharded
+        unsharded = SimpleNamespace(shard=list, on_whole=None)
+        return train.build_optimizer(ctx, reference, unsharded)
 
     fsdp = dense()
     mesh = init_device_mesh("cpu", (world,))
