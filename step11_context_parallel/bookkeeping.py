@@ -3,7 +3,8 @@ JSON-lines file, Weights & Biases), the profiler, when to validate and save, SIG
 resume restores beyond the checkpoint (the --max_tokens count, this run's learning rate
 schedule); and what a run that goes wrong does: a step whose loss or gradient norm is not finite
 is never applied (--on_nonfinite), a checkpoint is not begun on a disk it would not fit
-(--low_disk), old checkpoints are removed (--keep_last).
+(--low_disk), old checkpoints are removed (--keep_last), and each one may be captured
+(--save_dynamics).
 
     run = Run(args, device, flops_per_token, pgm)
     for step in range(run.start_step + 1, run.max_steps + 1):
@@ -25,6 +26,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -374,13 +377,48 @@ class NonFiniteGuard:
         )
 
 
+DYNAMICS = Path(__file__).resolve().parent.parent / "tools" / "dynamics.py"
+
+
+class Dynamics:
+    """--save_dynamics: each checkpoint, once every rank has written it, is captured by
+    `tools/dynamics.py capture` (a probe batch's activations and gradients, the whole tensors,
+    into save_dir/dynamics) in a process that rank 0 starts beside the training, which goes on.
+    The capture reads the checkpoint's pieces as written, so what it saves is the same in every
+    layout. It is waited for before the next checkpoint (so --keep_last never removes one not yet
+    captured) and at the run's end; one that fails is reported, and the run goes on."""
+
+    def __init__(self, args):
+        self.args, self.process, self.step = args, None, None
+
+    def start(self, step):
+        if not self.args.save_dynamics or dist.get_rank() != 0:
+            return
+        command = [sys.executable, str(DYNAMICS), "capture", self.args.save_dir]
+        self.process = subprocess.Popen([*command, "--step", str(step)])
+        self.step = step
+
+    def wait(self):
+        if self.process is None:
+            return
+        code, self.process = self.process.wait(), None
+        if code != 0:
+            log(
+                f"warning: --save_dynamics: the capture of step {self.step} failed (exit "
+                f"{code}, its message above); `python tools/dynamics.py capture "
+                f"{self.args.save_dir}` captures the checkpoints still there"
+            )
+
+
 class Checkpoints:
     """Which checkpoints are written and kept: one every --save_every steps, at the last step and
-    after SIGTERM; none begun on a disk it would not fit (--low_disk); the newest --keep_last.
-    `replicas`: how many ranks hold the same weights, which a checkpoint saves once."""
+    after SIGTERM; none begun on a disk it would not fit (--low_disk); the newest --keep_last;
+    each captured with --save_dynamics. `replicas`: how many ranks hold the same weights, which a
+    checkpoint saves once."""
 
     def __init__(self, args, device, replicas):
         self.args, self.device, self.replicas = args, device, replicas
+        self.dynamics = Dynamics(args)
 
     def due(self, step, last, stopped):
         every = step % self.args.save_every == 0
@@ -389,6 +427,7 @@ class Checkpoints:
     def save(self, step, optimizer, write, best=False):
         """Older checkpoints beyond --keep_last go first, then `write()` if the disk holds it;
         `best`: the `best` file then names it (the best validation loss so far)."""
+        self.dynamics.wait()  # the last checkpoint captured before --keep_last may remove it
         if self.args.keep_last and dist.get_rank() == 0:  # room for the one about to be written
             prune_checkpoints(self.args.save_dir, self.args.keep_last - 1)
         if self.disk_holds_one(step, optimizer):
@@ -397,6 +436,7 @@ class Checkpoints:
                 path = Path(self.args.save_dir) / "best"
                 path.with_name(".best.tmp").write_text(f"step_{step:06d}")
                 os.replace(path.with_name(".best.tmp"), path)  # atomic, like `latest`
+            self.dynamics.start(step)
 
     def disk_holds_one(self, step, optimizer):
         """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
@@ -435,6 +475,7 @@ class Checkpoints:
         )
 
     def close(self):
+        self.dynamics.wait()
         if self.args.save_dir and self.args.keep_last and dist.get_rank() == 0:
             prune_checkpoints(self.args.save_dir, self.args.keep_last)
 

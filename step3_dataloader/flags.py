@@ -157,6 +157,12 @@ def make_parser(description):
         default="stop",
         help="when a checkpoint would not fit on the disk: stop (default), or skip it and train on",
     )
+    run.add_argument(
+        "--save_dynamics",
+        action="store_true",
+        help="with each checkpoint, a probe batch's activations and gradients "
+        "(tools/dynamics.py capture, into save_dir/dynamics)",
+    )
     run.add_argument("--log_file", help="one JSON line per optimizer step")
     run.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases")
     run.add_argument("--run_name", default="pico3d")
@@ -211,6 +217,8 @@ def parse(parser, argv, tokens_per_step):
         parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
     if args.keep_last is not None and not args.save_dir:
         parser.error("--keep_last needs --save_dir, the folder it keeps checkpoints in")
+    if args.save_dynamics and not args.save_dir:
+        parser.error("--save_dynamics needs --save_dir: it captures the checkpoints saved there")
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save_dir, the folder to resume from")
     for flag in [a.option_strings[0] for a in parser._actions if a.metavar == "TRACE_JSON"]:

@@ -172,6 +172,7 @@ CASES = [
     (S3, "--tokenizer_name {tmp}/badtok", "{tmp}/badtok/tokenizer.json is not valid JSON (Unter"),
     (S3, "--keep_last 2", "--keep_last needs --save_dir"),
     (S3, "--keep_last 0 --save_dir {tmp}/k", "--keep_last must be at least 1, got 0"),
+    (S3, "--save_dynamics", "--save_dynamics needs --save_dir: it captures the checkpoints"),
     (S3, "--dist_timeout_s 0", "--dist_timeout_s must be above 0, got 0.0"),
     (S3, "--max_nonfinite_skips 0", "--max_nonfinite_skips must be at least 1, got 0"),
     (S3, "--on_nonfinite ignore", "argument --on_nonfinite: invalid choice: 'ignore'"),

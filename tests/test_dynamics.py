@@ -51,12 +51,15 @@ def test_gini_and_hoyer_follow_their_definitions():
 
 
 def train(tmp, name, nproc, *args):
+    """A run's checkpoints at steps 2 and 4, captured by the tool after the run, or in the run
+    with --save_dynamics."""
     save = tmp / name
     flags = [*TINY, "--max_steps", "4", "--save_every", "2", "--eval_every", "0"]
     flags += ["--sample_tokens", "0", "--save_dir", str(save), *args]
     check(run_step("step9_3d_parallel", flags, nproc=nproc, timeout=600))
-    capture = subprocess.run([*TOOL, "capture", str(save)], capture_output=True, text=True)
-    assert capture.returncode == 0, capture.stderr
+    if "--save_dynamics" not in args:
+        capture = subprocess.run([*TOOL, "capture", str(save)], capture_output=True, text=True)
+        assert capture.returncode == 0, capture.stderr
     return save
 
 
@@ -72,9 +75,16 @@ def test_a_dp2_tp2_run_has_the_dynamics_of_one_process(tmp_path):
     """Both runs' checkpoints at steps 2 and 4, the probe through each: the residual stream's
     CKA and PWCCA are 1 to rounding at every layer, the gradients point the same way, the
     activations agree to float32's rounding. Another initial seed, 4 steps of a tiny model:
-    CKA falls far below (the metric tells runs apart)."""
+    CKA falls far below (the metric tells runs apart). The dp 2 x tp 2 run captures its own
+    checkpoints (--save_dynamics), each before --keep_last 1 removes it."""
     one = train(tmp_path, "one", 1, "--gradient_accumulation_steps", "2")
-    grid = train(tmp_path, "grid", 4, "--dp_size", "2", "--tp_size", "2")
+    layout = ["--dp_size", "2", "--tp_size", "2"]
+    grid = train(tmp_path, "grid", 4, *layout, "--save_dynamics", "--keep_last", "1")
+    assert [p.name for p in dynamics.checkpoints(grid)] == ["step_000004"]
+    assert sorted(p.name for p in (grid / "dynamics").iterdir()) == [
+        "step_000002.safetensors",
+        "step_000004.safetensors",
+    ]
     facts = report(grid, one, tmp_path)
     assert [pair["steps"] for pair in facts["pairs"]] == [[2, 2], [4, 4]]
     for pair in facts["pairs"]:

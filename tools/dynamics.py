@@ -24,6 +24,7 @@ gradients. It prints a table, and -o draws them (matplotlib: pip install -e ".[p
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -114,12 +115,15 @@ def run_flags(run_dir):
 
 
 def probe_batch(flags, rows, vocab_size):
-    """The first `rows` rows of the run's validation data: (input ids, targets), (rows, T)."""
-    args = SimpleNamespace(**{**flags, "streaming": False})
+    """The first `rows` rows of the run's validation data: (input ids, targets), (rows, T). A
+    streamed run's are read from the start of its stream."""
+    args = SimpleNamespace(**{"streaming": False, **flags})
     _, _, validation = load_data(args, vocab_size)
-    if len(validation) < rows:
-        raise ValueError(f"--probe_rows {rows}: the validation data has {len(validation)} rows")
     tokens = validation[list(range(rows))]["tokens"]  # (rows, T + 1)
+    # A stream's length is known once it has ended; its rows then count on into the next pass.
+    length = validation.length if getattr(validation, "streamed", False) else len(validation)
+    if length is not None and length < rows:
+        raise ValueError(f"--probe_rows {rows}: the validation data has {length} rows")
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -174,11 +178,16 @@ def checkpoints(run_dir):
     return [path for path in found if path.is_dir()]
 
 
-def capture(run_dir, probe_rows):
+def capture(run_dir, probe_rows, step=None):
+    """Each checkpoint of the run not captured yet, or only the one of `step`."""
     run_dir = Path(run_dir)
     folders = checkpoints(run_dir)
     if not folders:
         raise ValueError(f"{run_dir} has no checkpoint (step_*/): train with --save_dir {run_dir}")
+    if step is not None:
+        folders = [folder for folder in folders if folder.name == f"step_{step:06d}"]
+        if not folders:
+            raise ValueError(f"{run_dir} has no checkpoint of step {step}")
     flags, out = run_flags(run_dir), run_dir / "dynamics"
     out.mkdir(exist_ok=True)
     probe = None
@@ -191,7 +200,9 @@ def capture(run_dir, probe_rows):
         if probe is None:
             probe = probe_batch(flags, probe_rows, model.config.vocab_size)
         tensors = capture_one(model, *probe)
-        save_file(tensors, target, metadata={"step": str(int(folder.name.split("_")[1]))})
+        partial = target.with_name(f".{target.name}.tmp")  # a capture cut short is not one
+        save_file(tensors, partial, metadata={"step": str(int(folder.name.split("_")[1]))})
+        os.replace(partial, target)
         print(f"{target}: probe loss {tensors['loss'].item():.4f}")
 
 
@@ -332,11 +343,12 @@ def main(argv=None):
     parser.add_argument("command", choices=["capture", "report"])
     parser.add_argument("run_dir", help="the run's --save_dir")
     parser.add_argument("--probe_rows", type=int, help="capture: validation rows in the probe (4)")
+    parser.add_argument("--step", type=int, help="capture: only this step's checkpoint")
     parser.add_argument("--against", help="report: another captured run, compared step by step")
     parser.add_argument("-o", "--plot", help="report: draw it into this image file")
     parser.add_argument("--json", help="report: write its figures into this file")
     args = parser.parse_args(argv)
-    wrong = ["probe_rows"] if args.command == "report" else ["against", "plot", "json"]
+    wrong = ["probe_rows", "step"] if args.command == "report" else ["against", "plot", "json"]
     for name in wrong:
         if getattr(args, name) is not None:
             parser.error(f"--{name} is not for {args.command}")
@@ -345,7 +357,7 @@ def main(argv=None):
             rows = 4 if args.probe_rows is None else args.probe_rows
             if rows < 1:
                 raise ValueError(f"--probe_rows must be at least 1, got {rows}")
-            capture(args.run_dir, rows)
+            capture(args.run_dir, rows, args.step)
             return
         facts = report(args.run_dir, args.against)
         print_report(facts, args.against)
