@@ -11,6 +11,12 @@ softmax over the E experts, the top k, their probabilities divided by their sum 
 each expert is our LlamaMLP (transformers' w1, w3, w2 are its gate_proj, up_proj, down_proj).
 With k = 1 the one weight is always 1.0 and the router would get no gradient: refused.
 
+Llama 4's routing (`--moe_router llama4`, as transformers' Llama4TextMoe computes it): each
+expert's score is the sigmoid of its logit, not a share of a softmax, so a token's k weights are
+not divided by their sum (and k = 1 still teaches the router); the weight scales the token
+before its expert, not the expert's output; and a shared expert, one more LlamaMLP, runs on every
+token and is added to the sum.
+
 The computation groups the token copies by expert (a stable sort of the N k (token, slot) pairs
 by their expert), runs each expert once on its rows, and puts the rows back in slot order. The
 step in the middle, `exchange`, is where expert parallelism (expert_parallel.py) sends the rows
@@ -71,6 +77,7 @@ def check_moe(config, args):
         given += ["--aux_loss_coef"] if args.aux_loss_coef is not None else []
         given += ["--z_loss_coef"] if args.z_loss_coef else []
         given += ["--expert_bias_rate"] if args.expert_bias_rate else []
+        given += ["--moe_router llama4"] if args.moe_router == "llama4" else []
         if given:
             raise ValueError(
                 f"{' and '.join(given)} apply to a mixture-of-experts model; this one is dense "
@@ -78,11 +85,21 @@ def check_moe(config, args):
             )
         return
     E, k = config.num_local_experts, config.num_experts_per_tok
-    if not 2 <= k <= E:
+    least = 1 if args.moe_router == "llama4" else 2  # sigmoid scores: one weight still learns
+    if not least <= k <= E:
         why = "its one weight is 1.0, so the router gets no gradient" if k == 1 else "too many"
         raise ValueError(
-            f"num_experts_per_tok={k} is not supported ({why}): use 2 to num_local_experts={E}"
+            f"num_experts_per_tok={k} is not supported ({why}): use {least} to "
+            f"num_local_experts={E}"
         )
+    if args.moe_router == "llama4":
+        # Its shared expert and sigmoid router have no place in a Mixtral checkpoint.
+        given = [f for f in ("init_from_hf", "save_dynamics") if getattr(args, f)]
+        if given:
+            raise ValueError(
+                f"--moe_router llama4 with --{given[0]}: that reads or writes the model as "
+                f"transformers' Mixtral, which has no Llama 4 router nor shared expert"
+            )
     if getattr(config, "router_jitter_noise", 0.0):
         raise ValueError(
             f"router_jitter_noise={config.router_jitter_noise} is not supported: the router "
@@ -153,8 +170,11 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         D, E = config.hidden_size, config.num_local_experts
         self.num_experts, self.top_k = E, config.num_experts_per_tok
+        self.llama4 = getattr(config, "moe_router", "mixtral") == "llama4"
         self.gate = Linear(D, E)
         self.experts = nn.ModuleDict({str(e): expert(config) for e in experts})
+        if self.llama4:  # on every rank, like the router: not one of the E
+            self.shared_expert = expert(config)
         self.exchange = exchange_locally  # expert parallelism: across the ep ranks
         # Set by the run: the losses' coefficients, and the scale of their gradient (one over the
         # micro-batches of a step, like the loss's).
@@ -175,20 +195,26 @@ class MixtureOfExperts(nn.Module):
         B, T, D = x.shape
         logits = self.gate(x).float()  # (B, T, E)
         probs = logits.softmax(dim=-1)  # (B, T, E)
+        scores = logits.sigmoid() if self.llama4 else probs  # (B, T, E)
         # The experts chosen with the balancing bias (zero unless --expert_bias_rate), weighed
         # without it: the bias steers the load, not the sum.
-        index = (probs + self.bias).topk(self.top_k, dim=-1).indices  # (B, T, k)
-        top = probs.gather(-1, index)  # (B, T, k)
-        weights = top / top.sum(dim=-1, keepdim=True)  # (B, T, k)
+        index = (scores + self.bias).topk(self.top_k, dim=-1).indices  # (B, T, k)
+        top = scores.gather(-1, index)  # (B, T, k)
+        weights = top if self.llama4 else top / top.sum(dim=-1, keepdim=True)  # (B, T, k)
         # The N k slots (slot j of token n at n k + j) grouped by expert, each slot's token a row.
         experts = index.view(-1)  # (N k,)
         order = experts.argsort(stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)  # (E,)
         rows = x.reshape(-1, D)[order // self.top_k]  # (N k, D)
+        if self.llama4:  # the weight scales the expert's input
+            rows = rows * weights.view(-1)[order].to(x.dtype).unsqueeze(-1)
         out = self.exchange(self, rows, counts)  # each row through its expert
-        # Back in slot order, weighed, summed slot by slot.
+        # Back in slot order, weighed (Mixtral: the outputs), summed slot by slot.
         out = out[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D)
-        y = (out * weights.view(B * T, self.top_k, 1)).sum(dim=1)  # (N, D)
+        if self.llama4:
+            y = self.shared_expert(x).reshape(-1, D) + out.sum(dim=1)  # (N, D)
+        else:
+            y = (out * weights.view(B * T, self.top_k, 1)).sum(dim=1)  # (N, D)
         y = y.to(x.dtype).view(B, T, D)
         if torch.is_grad_enabled():
             losses = self.scale * self.router_losses(logits, probs, index)
@@ -364,9 +390,10 @@ def update_expert_bias(model, loads, rate):
 
 def active_flops_per_token(config, dense_flops):
     """`dense_flops` (utils.flops_per_token, one MLP per layer) with each layer's MLP counted k
-    times and its router once: the FLOPs a token costs."""
+    times (k + 1 with Llama 4's shared expert) and its router once: the FLOPs a token costs."""
     if not is_moe(config):
         return dense_flops
     D, F, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     k, E = config.num_experts_per_tok, config.num_local_experts
+    k += getattr(config, "moe_router", "mixtral") == "llama4"
     return dense_flops + 6 * L * ((k - 1) * 3 * D * F + D * E)

@@ -163,6 +163,11 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--z_loss_coef", type=float, default=0.0, help="router z-loss coefficient")
     parser.add_argument(
+        "--moe_router", choices=["mixtral", "llama4"], default="mixtral",
+        help="Mixtral's softmax router, or Llama 4's: sigmoid scores that scale each expert's "
+        "input, and a shared expert for every token",
+    )  # fmt: skip
+    parser.add_argument(
         "--expert_bias_rate", type=float, default=0.0,
         help="loss-free balancing: how far each expert's routing bias moves per step (0: off)",
     )  # fmt: skip
@@ -380,6 +385,8 @@ def main(argv=None):
     ctx = Context(args, device, dtype, pgm)
     set_seed(args.seed)
     config = load_config(args, config_flag(args), MODEL_TYPES)  # Mixtral: a Llama with experts
+    if is_moe(config):  # in the config, so that a checkpoint's config.json says it too
+        config.moe_router = args.moe_router
     # Per device: all world_size devices share the work of the step's tokens.
     flops = active_flops_per_token(config, flops_per_token(config, args.seq_len)) / pgm.world_size
     run = Run(args, device, flops, pgm, replicas=pgm.dp_size * pgm.cp_size)  # cp: same weights

@@ -264,6 +264,122 @@ def test_the_all_to_all_bytes_follow_the_formula():
 
 
 ### The layouts
+def llama4_block(top_k):
+    """transformers' Llama4TextMoe with random weights, and our MixtureOfExperts under
+    --moe_router llama4 with the same: the router, each expert's gate, up and down (transformers
+    holds them fused, gate_up_proj (E, D, 2F) and down_proj (E, F, D), as x @ W), the shared
+    expert."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=top_k
+    )
+    theirs = transformers.models.llama4.modeling_llama4.Llama4TextMoe(config)
+    for param in theirs.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    config.moe_router = "llama4"
+    ours = moe_lib.MixtureOfExperts(config, range(4))
+    F_, experts = config.intermediate_size, theirs.experts
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.router.weight)
+        for e, expert in ours.experts.items():
+            gate_up, down = experts.gate_up_proj[int(e)], experts.down_proj[int(e)]
+            expert.gate_proj.weight.copy_(gate_up[:, :F_].T)
+            expert.up_proj.weight.copy_(gate_up[:, F_:].T)
+            expert.down_proj.weight.copy_(down.T)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared_expert, name).weight.copy_(
+                getattr(theirs.shared_expert, name).weight
+            )
+    return theirs, ours
+
+
+def scaled_close(got, want, rel=1e-5):
+    """Within `rel` of the largest of `want`: the gradients' scales run over many decades, and
+    the fused and separate matmuls round an element near zero apart by more than 1e-5 of it."""
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= rel * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_llama4_router_computes_what_transformers_llama4_computes(top_k):
+    """Block against block, top-1 (as Llama 4 ships) and top-2: the output, the input's gradient
+    and every weight's, to float32's rounding (transformers runs every token through every
+    expert, zero-weighted where not chosen; ours only the chosen slots). The router learns at
+    top-1: its gradient is not zero."""
+    torch.manual_seed(top_k)
+    theirs, ours = llama4_block(top_k)
+    x = torch.randn(3, 11, 64)
+    grad = torch.randn(3, 11, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = theirs(x1)[0].view(3, 11, 64)
+    got = ours(x2)
+    scaled_close(got, expected)
+    expected.backward(grad)
+    got.backward(grad)
+    scaled_close(x2.grad, x1.grad)
+    scaled_close(ours.gate.weight.grad, theirs.router.weight.grad)
+    assert ours.gate.weight.grad.abs().sum() > 0
+    F_, fused = 48, theirs.experts
+    for e, expert in ours.experts.items():
+        gate_up, down = fused.gate_up_proj.grad[int(e)], fused.down_proj.grad[int(e)]
+        scaled_close(expert.gate_proj.weight.grad, gate_up[:, :F_].T)
+        scaled_close(expert.up_proj.weight.grad, gate_up[:, F_:].T)
+        scaled_close(expert.down_proj.weight.grad, down.T)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        want = getattr(theirs.shared_expert, name).weight.grad
+        scaled_close(getattr(ours.shared_expert, name).weight.grad, want)
+
+
+LLAMA4 = ["--model_name", "tiny-moe", "--moe_router", "llama4", "--max_steps", "4"]
+
+
+def test_the_llama4_router_trains_like_one_process_under_ep_tp_sp_and_zero3(tmp_path):
+    """--moe_router llama4 on one process, against ep 2 over dp 2 with tp 2 and sequence
+    parallelism (the shared expert whole on every rank, its gradient summed over tp like the
+    router's), and ep 2 over dp 2 under ZeRO-3 (the shared expert sharded with the layer's
+    dense unit): the same losses and gradient norms (the harness's tolerances), router losses
+    and expert loads."""
+    common = [*COMMON, *LLAMA4]
+    base = convergence.Layout("llama4_baseline", str(step_dir(S15)), 1, (), 4)
+    layouts = [
+        convergence.Layout(
+            "ep2_tp2_sp", str(step_dir(S15)), 4,
+            ("--tp_size", "2", "--dp_size", "2", "--ep_size", "2", "--sequence_parallel"), 2,
+        ),
+        convergence.Layout(
+            "ep2_zero3", str(step_dir(S15)), 2,
+            ("--dp_size", "2", "--ep_size", "2", "--zero_stage", "3"), 2,
+        ),
+    ]  # fmt: skip
+    want = convergence.run(base, common, tmp_path, env=ENV)
+    assert len(want) == 4
+    for layout in layouts:
+        got = convergence.run(layout, common, tmp_path, env=ENV)
+        comparison = convergence.compare(got, want)
+        assert comparison.ok, f"{layout.name}: {comparison.problems}"
+        for g, w in zip(got, want, strict=True):
+            assert g["router_loss"] == pytest.approx(w["router_loss"], rel=1e-5)
+            assert g["expert_load"] == w["expert_load"], layout.name
+
+
+def test_the_llama4_router_is_refused_where_it_would_be_read_as_mixtral(tmp_path):
+    """transformers' Mixtral has no place for the sigmoid router's shared expert: a checkpoint
+    of it is not exported, and --save_dynamics (which captures through that export) is refused
+    before the first step; one line each."""
+    save = tmp_path / "run"
+    args = [*TINY, *LLAMA4, "--max_steps", "1", "--sample_tokens", "0", "--save_dir", str(save)]
+    result = run_step(S15, [*args, "--save_dynamics"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (
+        "--moe_router llama4 with --save_dynamics: that reads or writes the model as "
+        + ("transformers' Mixtral, which has no Llama 4 router nor shared expert")
+        in result.stderr
+    ), result.stderr[-2000:]
+    assert not (save / "step_000001").exists()
+    check(run_step(S15, args))
+    with pytest.raises(ValueError, match="routes its experts as Llama 4 does"):
+        export_hf.load_merged_state_dict(save / "step_000001")
+
+
 MOE = ["--model_name", "tiny-moe"]
 EXPERT = "model.layers.1.block_sparse_moe.experts.3.w2.weight"  # held by ep rank 1 of 2
 COMMON = [*TINY, "--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
@@ -462,6 +578,7 @@ def test_bf16_at_ep2_trains_like_one_process_in_bf16(tmp_path):
         (["--ep_size", "0"], 1, "--ep_size must be at least 1"),
         ([*MOE, "--expert_bias_rate", "-1"], 1, "--expert_bias_rate must be 0 or more, got -1.0"),
         (["--expert_bias_rate", "0.01"], 1, "--expert_bias_rate apply to a mixture-of-experts"),
+        (["--moe_router", "llama4"], 1, "--moe_router llama4 apply to a mixture-of-experts"),
     ],
 )
 def test_what_cannot_work_is_refused(flags, nproc, message):

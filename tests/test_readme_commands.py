@@ -4,25 +4,36 @@ table, is checked: the script exists, its flags parse with the step's own parser
 count equals tp_size x pp_size x dp_size (x cp_size). Then it runs for two steps with the process
 count and every flag as written (its ranks started as torchrun starts them on one node, by
 tests/launch.py), only the model shrunk to test size (TINY, with enough layers and heads for the
-pipeline and tensor sizes asked) and cheap evaluation and sampling. A command marked in a comment
-as needing a GPU, the network or two nodes is checked but not run; so are the
-convergence harness's commands (tests/test_convergence.py runs the harness) and the exercise
-tool's (tests/test_exercise.py runs it). tools/README.md
-contributes its convergence commands; its other examples name placeholder checkpoints. A tool
-that times what it measures (bench.py, activation_memory.py, data_bench.py) runs one timed
-round: its agreement checks and its figures other than times are those of the command as
-written (data_bench.py's shard sets are shrunk too).
+pipeline and tensor sizes asked) and cheap evaluation and sampling. A command of several nodes
+(`--nnodes N`) runs as N torchrun launchers at once, its nodes, the rendezvous endpoint moved to
+127.0.0.1 and a free port (their workers are tests/launch.py, which forks each rank): they must
+meet as one world, each with a block of consecutive ranks, and save the checkpoint once. A
+command marked in a comment as needing a GPU, the network or two nodes (nodes larger than this
+machine) is checked but not run; so are the convergence harness's commands
+(tests/test_convergence.py runs the harness) and the exercise tool's (tests/test_exercise.py runs
+it). tools/README.md contributes its convergence commands; its other examples name placeholder
+checkpoints. A tool that times what it measures (bench.py, activation_memory.py, data_bench.py)
+runs one timed round: its agreement checks and its figures other than times are those of the
+command as written (data_bench.py's shard sets are shrunk too).
 
 The commands of one README share a working folder, in order: a command that reads a checkpoint
-finds the one an earlier `--save_dir` command of the same README wrote there."""
+finds the one an earlier `--save_dir` command of the same README wrote there (one folder stands
+for the nodes' shared file system). A later command with the same `--save_dir` and a larger
+`--max_steps` goes on with that run: it trains two steps more, and must resume at the run's last
+step and log with it, step by step, what one uninterrupted run logs (the same process grid on one
+node)."""
 
 import contextlib
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from conftest import LAUNCH, ROOT, TINY, import_step
@@ -64,6 +75,15 @@ class Command:
         return {
             key.lstrip("-"): value for key, value in zip(tokens[::2], tokens[1::2], strict=True)
         }
+
+    @property
+    def nodes(self):
+        return int(self.launcher.get("nnodes", 1))
+
+    def flag(self, name):
+        """The value the command gives a flag of its script (None: not given)."""
+        args = self.args
+        return next((args[i + 1] for i in range(len(args) - 1) if args[i] == name), None)
 
     @property
     def script(self):
@@ -169,6 +189,7 @@ def test_the_readmes_show_commands():
     steps = {c.step for c in table if c.trains}
     assert len(steps) >= 9, sorted(steps)
     assert any(c.marked for c in COMMANDS) and any(c.runs for c in COMMANDS)
+    assert any(c.runs and c.nodes > 1 and continued(c) for c in COMMANDS)  # README.md's corpus
     assert all("\\" not in c.text for c in COMMANDS)
 
 
@@ -199,11 +220,34 @@ def parse(command):
     return args
 
 
+def continued(command):
+    """The earlier command of the README whose run this one goes on with, by resuming it: the
+    same --save_dir and a larger --max_steps (None if there is none)."""
+    if not command.trains or not command.flag("--save_dir") or not command.flag("--max_steps"):
+        return None
+    earlier = [
+        c
+        for c in COMMANDS
+        if c.readme == command.readme and c.line < command.line and c.runs and c.trains
+        if c.flag("--save_dir") == command.flag("--save_dir") and c.flag("--max_steps")
+        if int(c.flag("--max_steps")) < int(command.flag("--max_steps"))
+    ]
+    return earlier[-1] if earlier else None
+
+
+def steps(command):
+    """Two steps (three with --profile, which records from step 3); two more than the run it
+    goes on with."""
+    if before := continued(command):
+        return steps(before) + 2
+    return 3 if "--profile" in command.args else 2
+
+
 def overrides(command, args):
-    """Two steps (three with --profile, which records from step 3), the test-size model; the
-    flags the command gives itself are kept."""
+    """The test's number of steps, the test-size model; the flags the command gives itself are
+    kept."""
     given = {token for token in command.args if token.startswith("--")}
-    extra = {"--max_steps": "3" if "--profile" in given else "2", **model_size(args)}
+    extra = {"--max_steps": str(steps(command)), **model_size(args)}
     if int(re.match(r"step(\d+)", command.step)[1]) >= 3:  # the data flags come with step 3
         extra.update({"--eval_steps": "1", "--sample_tokens": "4", "--num_proc": "1"})
     return [s for k, v in extra.items() if k == "--max_steps" or k not in given for s in (k, v)]
@@ -233,12 +277,24 @@ def model_size(args):
     return tiny
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def argv(command, args):
     script = str(ROOT / command.script)
-    if command.tokens[0] == "torchrun":
+    # --max_restarts only acts when a worker dies, which a run of the README's does not.
+    flags = {k: v for k, v in command.launcher.items() if k != "max_restarts"}
+    if command.nodes > 1:
+        # torchrun itself on each node, the rendezvous here; its workers are tests/launch.py,
+        # which forks the rank from the imported libraries, in the environment torchrun set.
+        flags["rdzv_endpoint"] = f"127.0.0.1:{free_port()}"
+        launcher = [f"--{key}={value}" for key, value in flags.items()]
+        head = [sys.executable, "-m", "torch.distributed.run", *launcher, LAUNCH[1], "--python"]
+    elif command.tokens[0] == "torchrun":
         # torchrun's start on one node, the ranks forked from one import of the libraries.
-        # --max_restarts only acts when a worker dies, which a run of the README's does not.
-        flags = {k: v for k, v in command.launcher.items() if k != "max_restarts"}
         launcher = [f"--{key}={value}" for key, value in flags.items()]
         head = [*LAUNCH, *launcher]
     else:
@@ -261,24 +317,128 @@ def workdir(command, workdirs):
     return workdirs["dirs"][readme]
 
 
+ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass
+class Nodes:
+    """The launchers of a several-node command, as one result."""
+
+    returncode: int
+    outputs: list  # each launcher's stdout and stderr
+    stderr = ""
+
+    @property
+    def stdout(self):
+        return "".join(self.outputs)
+
+
+def run_nodes(argv, nodes, cwd, timeout=600):
+    """The same launcher command started `nodes` times at once; when one fails, or the time is
+    up, the others are stopped (a node left alone would wait for its peers): SIGTERM, on which
+    torchrun stops its workers, then SIGKILL."""
+    with tempfile.TemporaryDirectory() as folder:
+        files = [open(Path(folder) / f"node{i}", "w+") for i in range(nodes)]
+        launchers = [
+            subprocess.Popen(
+                argv, cwd=cwd, env={**os.environ, **ENV}, stdout=f, stderr=subprocess.STDOUT
+            )
+            for f in files
+        ]
+        deadline, kill_at = time.monotonic() + timeout, None
+        while any(launcher.poll() is None for launcher in launchers):
+            failed = any(launcher.returncode for launcher in launchers)  # None while running
+            if kill_at is None and (failed or time.monotonic() > deadline):
+                kill_at = time.monotonic() + 30
+                for launcher in launchers:
+                    launcher.terminate()
+            if kill_at is not None and time.monotonic() > kill_at:
+                for launcher in launchers:
+                    launcher.kill()
+            time.sleep(0.1)
+        outputs = []
+        for f in files:
+            f.seek(0)
+            outputs.append(f.read())
+            f.close()
+    if time.monotonic() > deadline:
+        outputs[-1] += f"\nthe launchers were stopped after {timeout} s\n"
+    codes = [launcher.returncode for launcher in launchers]
+    return Nodes(next((code for code in codes if code), 0), outputs)
+
+
 def run(command, workdirs):
     # The same command in several READMEs runs once, unless it works with files.
     key = " ".join(command.tokens) if not command.writes else f"{command.readme}:{command.line}"
     if key in workdirs["done"]:
         return workdirs["done"][key]
-    with contextlib.chdir(workdir(command, workdirs)):  # paths it reads are the folder's
+    folder = workdir(command, workdirs)
+    with contextlib.chdir(folder):  # paths it reads are the folder's
         args = parse(command)
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        argv(command, args),
-        cwd=workdir(command, workdirs),
-        env={**os.environ, **env},
+    if command.nodes > 1:
+        result = run_nodes(argv(command, args), command.nodes, folder)
+    else:
+        result = subprocess.run(
+            argv(command, args),
+            cwd=folder,
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    workdirs["done"][key] = result
+    return result
+
+
+def check_nodes(command, result, folder):
+    """The launchers met as one world, each node with a block of consecutive ranks, and rank 0
+    (on one of them) wrote the run's one checkpoint into the folder they share."""
+    per_node = int(command.launcher.get("nproc_per_node", 1))
+    world = command.nodes * per_node
+    placed = [
+        sorted(map(int, re.findall(rf"rank (\d+)/{world}: dp", out))) for out in result.outputs
+    ]
+    blocks = [list(range(i * per_node, (i + 1) * per_node)) for i in range(command.nodes)]
+    assert sorted(placed) == blocks, f"{command}\nranks by node: {placed}\n{result.stdout[-4000:]}"
+    save_dir = command.flag("--save_dir")
+    if save_dir:
+        last = f"step_{steps(command):06d}"
+        saved = re.findall(r"\] saved (\S+)", result.stdout)
+        assert saved == [f"{save_dir}/{last}"], f"{command}\nsaved {saved}, not once {last}"
+        assert (folder / save_dir / "latest").read_text() == last, command
+
+
+LOSS = re.compile(r"step (\d+)/\d+ \| loss (\S+) \| lr (\S+) \| grad_norm (\S+)")
+
+
+def check_continued(command, before, output, workdirs):
+    """The run resumed at the last step of the run it goes on with, and the two logged what one
+    uninterrupted run of all the steps logs: the same command on one node, the same process
+    grid, without --resume and --save_dir."""
+    first = steps(before)
+    resumed = f"resumed from {command.flag('--save_dir')}/step_{first:06d} at step {first}"
+    assert resumed in output, f"{command}\nno '{resumed}'\n{output[-4000:]}"
+    folder = workdir(command, workdirs)
+    with contextlib.chdir(folder):
+        args = parse(command)
+    own = [a for a in command.args if a != "--resume"]
+    del own[own.index("--save_dir") : own.index("--save_dir") + 2]
+    world = command.nodes * int(command.launcher.get("nproc_per_node", 1))
+    straight = subprocess.run(
+        [*LAUNCH, f"--nproc_per_node={world}", str(ROOT / command.script), *own]
+        + overrides(command, args),
+        cwd=folder,
+        env={**os.environ, **ENV},
         capture_output=True,
         text=True,
         timeout=600,
     )
-    workdirs["done"][key] = result
-    return result
+    assert straight.returncode == 0, f"the uninterrupted run failed\n{straight.stderr[-4000:]}"
+    logged = LOSS.findall(run(before, workdirs).stdout) + LOSS.findall(output)
+    assert logged == LOSS.findall(straight.stdout), (
+        f"{command}\nsteps logged by {before.readme}:{before.line} and this one (step, loss, lr, "
+        f"grad_norm): {logged}\nby one uninterrupted run: {LOSS.findall(straight.stdout)}"
+    )
 
 
 @pytest.mark.parametrize("command", PARAMS)
@@ -295,6 +455,11 @@ def test_command(command, workdirs):
     result = run(command, workdirs)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{output[-4000:]}"
-    if command.trains and "--resume" not in command.args:  # a resumed run may have no step left
-        last = 3 if "--profile" in command.args else 2
+    before = continued(command)
+    if command.trains and ("--resume" not in command.args or before):  # else maybe no step left
+        last = steps(command)
         assert re.search(rf"step {last}/{last} \| loss", output), f"{command}\n{output[-4000:]}"
+    if command.nodes > 1:
+        check_nodes(command, result, workdir(command, workdirs))
+    if before:
+        check_continued(command, before, output, workdirs)

@@ -305,6 +305,11 @@ def read_config(folder):
         raise ValueError(
             f"{folder} holds a {config.model_type!r} model, not a Llama or Mixtral one"
         )
+    if getattr(config, "moe_router", "mixtral") != "mixtral":
+        raise ValueError(
+            f"{folder} routes its experts as Llama 4 does (step 15's --moe_router "
+            f"{config.moe_router}): transformers' Mixtral has no such router nor shared expert"
+        )
     return config
 
 
