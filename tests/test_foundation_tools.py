@@ -199,13 +199,15 @@ def run_memory_table(*args):
 
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
-    """The table's command on the test-size model (4 layers, for step 8's pp 4): every layout."""
+    """The table's command on the test-size model (4 layers, for step 8's pp 4), and its mixture
+    of experts for step 15: every layout."""
     path = tmp_path_factory.mktemp("memory") / "figures.json"
     tiny = dict(zip(TINY[::2], TINY[1::2], strict=True))
     tiny["--num_hidden_layers"] = "4"
     result = run_memory_table(*[a for pair in tiny.items() for a in pair], "--json", str(path))
-    figures = json.loads(path.read_text()) if path.exists() else {"rows": [], "shapes": {}}
-    return result, figures["rows"], figures["shapes"]
+    empty = {"rows": [], "shapes": {}, "moe_shapes": {}}
+    figures = json.loads(path.read_text()) if path.exists() else empty
+    return result, figures["rows"], figures["shapes"] | {"moe": figures["moe_shapes"]}
 
 
 def ranks_of(records, step):
@@ -216,12 +218,18 @@ def ranks_of(records, step):
 def test_memory_table_follows_its_formulas(memory):
     result, records, _ = memory
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted({r["step"] for r in records}) == list(range(3, 12))
+    assert sorted({r["step"] for r in records}) == list(range(3, 16))
     for record in records:  # the verdicts, checked again here with the stated tolerances
         for figures in record["figures"]:
             for quantity, (_, value, tolerance) in record["expected"].items():
                 assert abs(figures[quantity] - value) <= tolerance, (record["step"], quantity)
-    assert "| 10 | dp 2 x tp 2 |" in result.stdout
+    for step in [12, 13, 14, 15]:  # the new rows, every figure to the byte at this size
+        for record in (r for r in records if r["step"] == step):
+            for quantity, (_, value, _) in record["expected"].items():
+                assert record["figures"][0][quantity] == value, (step, quantity)
+    for row in ["| 10 | dp 2 x tp 2 |", "| 12 | dp 2, ZeRO-3 |", "| 13 | tp 2, sequence parallel |",
+                "| 14 | pp 2, INTERLEAVED v 2, m 4 |", "| 15 | dp 2 (ep 2) |"]:  # fmt: skip
+        assert row in result.stdout, row
 
 
 def test_memory_figures_agree_with_each_other(memory):
@@ -257,23 +265,91 @@ def test_memory_figures_agree_with_each_other(memory):
             assert f["held"] == 1 and f["peak_activations"] == f["activations"], step
 
 
+def moe_parameters(shapes):
+    """The numbers of parameters of step 15's whole mixture of experts (its own modules, on the
+    meta device), at the sizes of `shapes`: all of them, and the experts'."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ROOT / "assets" / "configs" / "tiny-moe")
+    names = {"D": "hidden_size", "F": "intermediate_size", "H": "num_attention_heads",
+             "K": "num_key_value_heads", "L": "num_hidden_layers", "d": "head_dim"}  # fmt: skip
+    for key, name in names.items():
+        setattr(config, name, shapes[key])
+    model = import_step("step15_expert_parallel", "model")
+    moe = import_step("step15_expert_parallel", "moe")
+    with torch.device("meta"):
+        whole = moe.apply_moe(model.LlamaForCausalLM(config))
+    named = dict(whole.named_parameters())
+    experts = sum(p.numel() for name, p in named.items() if ".experts." in name)
+    return sum(p.numel() for p in named.values()), experts
+
+
+def test_memory_figures_of_the_later_steps_agree_with_each_other(memory):
+    """Steps 12 to 15 against the earlier layouts' measurements and the models' own sizes."""
+    _, records, shapes = memory
+    B, T, D, L = (shapes[x] for x in "BTDL")
+    one, tp2 = ranks_of(records, 6)[0], ranks_of(records, 4)[0]
+    # ZeRO-3 at dp 2: half of one device's parameters, gradients and moments, to the byte; the
+    # whole weights it gathers for a layer's forward are no activations.
+    for f in ranks_of(records, 12).values():
+        for quantity in ["parameters", "gradients", "optimizer"]:
+            assert 2 * f[quantity] == one[quantity], quantity
+        assert f["activations"] == f["peak_activations"] == one["activations"]
+    # Sequence parallelism at tp 2: tp 2's weights; half of the norms' activations, which tp 2
+    # keeps whole on each rank: 2 per layer and the final one, each its input and normalised
+    # input (BTD each) and 1/rms (BT), in fp32.
+    norms = 4 * ((2 * L + 1) * (2 * B * T * D + B * T))
+    for f in ranks_of(records, 13).values():
+        for quantity in ["parameters", "gradients", "optimizer"]:
+            assert f[quantity] == tp2[quantity], quantity
+        assert tp2["activations"] - f["activations"] == norms // 2
+    # Interleaved, pp 2 x v 2: the ranks hold the model between them; they hold the warm-up's
+    # chunks of micro-batches and one more, (v - 1) pp + 2 (pp - pp_rank - 1) + 1.
+    ranks = sorted(ranks_of(records, 14).values(), key=lambda f: f["coords"]["pp"])
+    for quantity in ["parameters", "activations"]:
+        assert sum(f[quantity] for f in ranks) == one[quantity], quantity
+    assert [f["held"] for f in ranks] == [5, 3]
+    for f in ranks:  # more than one micro-batch's, less than its chunks' count of the largest
+        assert f["activations"] < f["peak_activations"] < f["held"] * f["activations"]
+    # Expert parallelism, ep 2 of dp 2: each rank the experts of its ep rank, E/ep of each layer,
+    # everything else whole; ZeRO-1 shares the rest's moments over dp 2, the experts' over none.
+    whole, experts = moe_parameters(shapes["moe"])
+    ranks = ranks_of(records, 15).values()
+    buckets = L + 2  # the experts' buckets cut the others' at each layer: padding in each
+    for f in ranks:
+        assert f["parameters"] == 4 * (whole - experts) + 4 * experts // 2
+        assert f["gradients"] == pytest.approx(f["parameters"], abs=4 * buckets)
+        want = 8 * (whole - experts) / 2 + 8 * experts // 2
+        assert f["optimizer"] == pytest.approx(want, abs=8 * buckets)
+    # Every token slot of every rank's tokens went to one expert, on one rank.
+    k = shapes["moe"]["k"]
+    assert sum(f["routed_rows"] for f in ranks) == len(ranks) * L * B * T * k
+
+
 def test_the_memory_lesson_shows_the_formulas_values():
     """docs/memory.md's table (the tiny model at the command's defaults): every cell's bytes and
     formula are those the formulas give now, so the lesson cannot go stale."""
     import memory_table
 
-    config = json.loads((ROOT / "assets" / "configs" / "tiny" / "config.json").read_text())
-    shapes = memory_table.Shapes(SimpleNamespace(**config), memory_table.parse_args([]))
+    shapes = {}
+    for moe, name in [(False, "tiny"), (True, "tiny-moe")]:
+        config = json.loads((ROOT / "assets" / "configs" / name / "config.json").read_text())
+        config = SimpleNamespace(**config)
+        shapes[moe] = memory_table.Shapes(config, memory_table.parse_args([]))
     lesson = (ROOT / "docs" / "memory.md").read_text()
     assert "tiny model, one training step on random tokens, 4 x 256 tokens" in lesson
     rows = [line for line in lesson.splitlines() if re.match(r"\| \d+ \|", line)]
     steps = [int(row.split("|")[1]) for row in rows]
-    assert sorted(set(steps)) == list(range(3, 12)), steps
+    assert sorted(set(steps)) == list(range(3, 16)), steps
     for row, step in zip(rows, steps, strict=True):
         cells = [c.strip() for c in row.strip("|").split("|")]
         stage = re.search(r"\(pp (\d)\)", cells[2])
         pp_rank = int(stage[1]) if stage else 0
-        want = memory_table.expected(memory_table.LAYOUTS[step], shapes, pp_rank)
+        layout = memory_table.LAYOUTS[step]
+        # Step 15's activations count the rows its experts received, as the run measured them.
+        routed = re.search(r"([\d,]+)ρ", cells[6]) if layout.moe else None
+        routed = int(routed[1].replace(",", "")) if routed else 0
+        want = memory_table.expected(layout, shapes[layout.moe], pp_rank, routed)
         for quantity, cell in zip(memory_table.QUANTITIES, cells[3:], strict=True):
             text, value, _ = want[quantity]
             assert cell == f"{value:,.0f} = {text}", (step, quantity, cell)

@@ -608,6 +608,7 @@ STEPS = [
                       ("zero3_tp2_dp2", 4, ("--dp_size", "2", "--tp_size", "2", *ZERO3), 2),
                       ("zero3_dp2_pp2", 4, ("--dp_size", "2", *PP2, "1f1b", *ZERO3), 2),
                       ("zero3_dp2_cp2", 4, ("--dp_size", "2", "--cp_size", "2", *ZERO3), 2)),
+         memory={"dp": 2, "zero_stage": 3},
          bench={"zero3": 2}, blanks=ZERO3_BLANKS, graded=ZERO3_GRADED),
     Step("step13_sequence_parallel",
          ("sequence_parallel.py", "recompute.py", "tensor_parallel.py", "fully_sharded.py",
@@ -620,6 +621,7 @@ STEPS = [
                        (*SP2, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2),
                       ("zero3_dp2_pp2_full", 4,
                        ("--dp_size", "2", *PP2, "1f1b", *ZERO3, "--recompute", "full"), 2)),
+         memory={"tp": 2, "sequence_parallel": True},
          bench={"sp": 2}, blanks=SP_BLANKS, graded=SP_GRADED),
     Step("step14_pipeline_schedules",
          ("pipeline_parallel.py", "zero_bubble.py", "tensor_parallel.py", "pipeline_timeline.py",
@@ -631,6 +633,7 @@ STEPS = [
                        (*INTERLEAVED, "--dp_size", "2", *ZERO3, "--recompute", "full"), 2),
                       ("zb1_pp2_tp2_sp", 4, (*ZB1, *SP2), 1),
                       ("zb1_pp2_dp2", 4, (*ZB1, *DP2_BUCKETS), 2)),
+         memory={"pp": 2, "engine": "interleaved", "virtual_stages": 2, "micro_batches": 4},
          bench={"interleaved": 2, "zb1": 2}, blanks=SCHEDULES_BLANKS, graded=SCHEDULES_GRADED),
     # Trained against step 15 itself on one process, with the same experts (tiny-moe).
     Step("step15_expert_parallel",
@@ -653,6 +656,7 @@ STEPS = [
                        (*MOE, "--dp_size", "4", *EP2, *ZERO3, "--recompute", "full"), 4),
                       ("moe_cp2", 2, (*MOE, "--cp_size", "2"), 1),
                       ("ep2_dp2_cp2", 4, (*MOE, *DP2_BUCKETS, *EP2, "--cp_size", "2"), 2)),
+         memory={"dp": 2, "ep": 2, "moe": True},
          bench={"ep": 2}, blanks=MOE_BLANKS, graded=MOE_GRADED),
 ]  # fmt: skip
 
