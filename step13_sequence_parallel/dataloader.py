@@ -25,9 +25,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
+import pyarrow as pa
 import torch
-from datasets import DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset
 from transformers import AutoTokenizer
 
 from context_parallel import split_sequence
@@ -110,33 +110,35 @@ def load_splits(name, seed, text_column="text"):
 
 
 def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
-    """Rows of T + 1 token ids: documents joined by end-of-text, cut into equal lengths."""
+    """Rows of T + 1 token ids: documents joined by end-of-text, cut into equal lengths. The
+    documents are tokenised by `num_proc` processes, then cut in one pass over the whole stream,
+    so the rows do not depend on num_proc: only the last partial row is dropped."""
     eos, row = tokenizer.eos_token_id, seq_len + 1
 
-    def to_rows(batch, num_proc):  # num_proc: only for the cache key, below
+    def to_ids(batch):
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
-        stream = [token for doc in ids for token in [*doc, eos]]
-        # The last partial row of every batch of documents is dropped: under one row per batch.
-        return {"tokens": [stream[i : i + row] for i in range(0, len(stream) - row + 1, row)]}
+        return {"ids": [[*doc, eos] for doc in ids]}
 
-    rows = dataset.map(
-        to_rows,
+    documents = dataset.map(
+        to_ids,
         batched=True,
         batch_size=1000,
         num_proc=num_proc if num_proc > 1 else None,
-        # Each process cuts its own share of the documents into batches, so where rows are
-        # dropped depends on num_proc; datasets leaves num_proc out of the key of its cache, and
-        # would serve one num_proc's rows to another. As an argument of to_rows it is in the key.
-        fn_kwargs={"num_proc": num_proc},
         remove_columns=dataset.column_names,
-        desc=f"tokenising into rows of {row}",
+        desc="tokenising",
     )
-    if len(rows) == 0:
+    # The stream, as Arrow's flat arrays of the documents' ids: no Python list of every token.
+    stream = np.concatenate(
+        [chunk.flatten().to_numpy() for chunk in documents.data.column("ids").chunks]
+        or [np.zeros(0, np.int64)]
+    )
+    count = len(stream) // row
+    if count == 0:
         raise ValueError(f"the dataset is too small for one row of seq_len + 1 = {row} tokens")
-    tokens = rows.data.column("tokens")  # Arrow's own arrays: checked without a copy
-    if all(pc.all(pc.equal(chunk.flatten(), eos)).as_py() for chunk in tokens.chunks):
+    if (stream == eos).all():
         raise ValueError("the dataset's documents are all empty: its rows hold end-of-text only")
-    return rows.with_format("torch")
+    rows = pa.FixedSizeListArray.from_arrays(pa.array(stream[: count * row]), row)
+    return Dataset(pa.table({"tokens": rows})).with_format("torch")
 
 
 ### begin Token shards

@@ -133,7 +133,10 @@ def make_parser(description):
     )
     data.add_argument("--max_tokens", type=int, help="stop after this many training tokens")
     data.add_argument(
-        "--num_proc", type=int, default=2, help="processes for tokenising (the rows depend on it)"
+        "--num_proc",
+        type=int,
+        default=2,
+        help="processes for tokenising (the rows do not depend on it)",
     )
     data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
     data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")

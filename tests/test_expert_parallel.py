@@ -550,7 +550,7 @@ def test_the_balancing_bias_moves_once_per_step_from_the_whole_batch(tmp_path, t
 
 def test_bf16_at_ep2_trains_like_one_process_in_bf16(tmp_path):
     """Under bf16 autocast the experts compute in bf16: ep 2 over dp 2 against one process, both
-    in bf16, every loss within 1e-4 and gradient norm within 1e-3 (measured: 2e-6 and 1.2e-4;
+    in bf16, every loss within 1e-4 and gradient norm within 1e-3 (measured: 1.3e-5 and 2.2e-4;
     the experts' gradients scaled by the wrong ranks move the norm by 2 % in fp32)."""
     common = [*COMMON, *MOE, "--dtype", "bfloat16", "--max_steps", "3", "--eval_every", "0"]
     runs = {}

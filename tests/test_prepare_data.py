@@ -120,6 +120,22 @@ def test_rows_are_the_stream_cut_in_order_across_shard_ends(shards):
     assert batch.shape == (3, 256) and batch.dtype == torch.int64
 
 
+def test_the_shards_rows_are_the_rows_tokenised_in_memory(shards):
+    """The same corpus, tokenizer and seq_len: the trainer's in-memory rows (tokenised at its
+    start) and the rows of the prepared shards are the same, row by row, in both splits."""
+    data_lib = import_step(S3, "dataloader")
+    tokenizer = data_lib.load_tokenizer("tinytales")
+    index = json.loads((shards / "proc1" / "shards.json").read_text())
+    for split, documents in zip(
+        ["train", "validation"], data_lib.load_splits("tinytales", 42), strict=True
+    ):
+        in_memory = data_lib.tokenize(documents, tokenizer, 255, num_proc=1)
+        from_shards = data_lib.TokenShards(shards / "proc1", index, split, seq_len=255)
+        assert len(in_memory) == len(from_shards), split
+        every = list(range(len(from_shards)))
+        assert torch.equal(in_memory[every]["tokens"], from_shards[every]["tokens"]), split
+
+
 def test_dp_and_cp_ranks_read_every_row_once_per_epoch(shards):
     data_lib = import_step("step11_context_parallel", "dataloader")
     index = json.loads((shards / "proc1" / "shards.json").read_text())
