@@ -578,7 +578,9 @@ def interleaved_order(pp_size, m, chunks, pp_rank):
     """Megatron-LM's interleaved 1F1B on rank pp_rank, as ("F" or "B", chunk): the forwards take
     the micro-batches in groups of pp_size, each group through chunk 0, 1, ...; the backwards the
     same groups, the chunks in reverse. (chunks - 1) pp_size + 2 (pp_size - pp_rank - 1)
-    forwards warm up; then one forward, one backward; then the backwards left."""
+    forwards warm up; then one forward, one backward; then the backwards left. Written out here,
+    not taken from step 14's `interleaved_1f1b`: the formula side states the order on its own, so
+    that a change of the step's schedule shows as a disagreement instead of moving both sides."""
     total, cycle = m * chunks, pp_size * chunks
     forwards = [("F", i % cycle // pp_size) for i in range(total)]
     backwards = [("B", chunks - 1 - i % cycle // pp_size) for i in range(total)]
