@@ -24,7 +24,12 @@ setup(
         "pyyaml",  # run files (--config)
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6", "matplotlib"],  # matplotlib: the plot tools' tests
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "ruff>=0.6",
+            "matplotlib",
+        ],  # matplotlib: the plot tools' tests
         "plot": ["matplotlib"],
     },
 )

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+import tiers  # noqa: E402
 from steps import STEP_NAME, step_modules  # noqa: E402
 
 STEP_MODULES = step_modules(ROOT)
@@ -74,6 +75,40 @@ def copies():
     """The copies that --step names, by the step folder each replaces."""
     folders = filter(None, os.environ.get(STEP_DIR, "").split(os.pathsep))
     return {Path(folder).name: Path(folder) for folder in folders}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each starts its own launch server, and the
+    runs of a layout start several ranks each). On the 2-core machine, 4 workers took longer
+    than 2."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Mark the quick tier (tests/tiers.py), refusing an entry that names no collected test of a
+    module that was collected; put each test in its xdist group, the heaviest groups first."""
+    collected = {item.nodeid.split("::")[0] for item in items}
+    for entry in sorted(tiers.quick_ids()):
+        if entry.split("::")[0] in collected and not any(
+            tiers.matches(item.nodeid, entry) for item in items
+        ):
+            raise pytest.UsageError(f"tests/tiers.py: the quick tier names no test {entry}")
+    quick = tiers.quick_ids()
+    for item in items:
+        if any(tiers.matches(item.nodeid, entry) for entry in quick):
+            item.add_marker(pytest.mark.quick)
+        item.add_marker(pytest.mark.xdist_group(tiers.group(item)))
+    if not hasattr(config, "workerinput"):  # not on xdist's workers: the order asked for
+        return
+    heavy = {name: rank for rank, name in enumerate(tiers.HEAVY)}
+    first = {}
+    for item in items:
+        first.setdefault(tiers.group(item), len(first))
+    # A stable sort: the tests of a group keep their order.
+    items.sort(
+        key=lambda item: (heavy.get(tiers.group(item), len(heavy)), first[tiers.group(item)])
+    )
 
 
 def pytest_report_header(config):

@@ -3,14 +3,14 @@ dp 2 x tp 2 run equal to one process's, where a run that learns otherwise differ
 
 import json
 import subprocess
-import sys
 
 import dynamics
 import pytest
 import torch
-from conftest import ROOT, TINY, check, run_step
+from conftest import LAUNCH, ROOT, TINY, check, run_step
 
-TOOL = [sys.executable, str(ROOT / "tools" / "dynamics.py")]
+# Forked from the tests' launch server, which has imported torch once for all of them.
+TOOL = [*LAUNCH, "--python", str(ROOT / "tools" / "dynamics.py")]
 
 
 def hsic_cka(x, y):

@@ -23,8 +23,12 @@ from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
+from steps import carriers  # noqa: E402
 
 S14 = "step14_pipeline_schedules"
+# The steps that carry step 14's schedules and backward split: their detailed checks run on each.
+SCHEDULED = carriers("pipeline_parallel.py", S14)
+SPLIT = carriers("zero_bubble.py", S14)
 # (pp_size, m, v): m a multiple of pp_size, as both schedules require.
 SHAPES = [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (2, 8, 4)]
 # Four layers: two chunks of one layer on each of two ranks.
@@ -35,10 +39,10 @@ INTERLEAVED = ["--pp_size", "2", "--pp_engine", "interleaved", "--pp_virtual_sta
 ZB_SHAPES = [(2, 1), (2, 4), (3, 4), (3, 6), (4, 2), (4, 6), (4, 8), (4, 12)]
 
 
-def ours(p, m, v):
+def ours(step, p, m, v):
     """Each rank's actions as torch writes them: the stage's index (chunk x p + rank), F or B,
     the micro-batch from 0."""
-    pp = import_step(S14, "pipeline_parallel")
+    pp = import_step(step, "pipeline_parallel")
     schedules = pp.SCHEDULES["interleaved"](p, m, v)
     return [
         [f"{a.chunk * p + r}{a.kind}{a.micro_batch}" for a in actions]
@@ -47,18 +51,20 @@ def ours(p, m, v):
 
 
 @pytest.mark.parametrize("p, m, v", SHAPES, ids=[f"pp{p}-m{m}-v{v}" for p, m, v in SHAPES])
-def test_interleaved_order_is_torchs(p, m, v):
+@pytest.mark.parametrize("step", SCHEDULED, ids=lambda step: step.split("_")[0])
+def test_interleaved_order_is_torchs(step, p, m, v):
     """torch's `pipeline_order`, the list its `_step_microbatches` runs, without idle slots."""
     theirs = get_schedule_ops("Interleaved1F1B", p, m, v)
-    assert ours(p, m, v) == [[str(a) for a in row if a is not None] for row in theirs]
+    assert ours(step, p, m, v) == [[str(a) for a in row if a is not None] for row in theirs]
 
 
 @pytest.mark.parametrize("p, m, v", SHAPES, ids=[f"pp{p}-m{m}-v{v}" for p, m, v in SHAPES])
-def test_interleaved_holds_its_warm_up(p, m, v):
+@pytest.mark.parametrize("step", SCHEDULED, ids=lambda step: step.split("_")[0])
+def test_interleaved_holds_its_warm_up(step, p, m, v):
     """Rank r holds its warm-up's chunk forwards and one more: (v - 1) p + 2 (p - r - 1) + 1,
     at most all m v of them; rank 0 of pp 4, m 8, v 2 holds 11 chunks, 5.5 micro-batches' worth
     of its layers, where 1F1B's stage 0 holds 4."""
-    pp = import_step(S14, "pipeline_parallel")
+    pp = import_step(step, "pipeline_parallel")
     for r, actions in enumerate(pp.SCHEDULES["interleaved"](p, m, v)):
         assert pp.held(actions) == min((v - 1) * p + 2 * (p - r - 1) + 1, m * v), r
     assert [pp.held(a) for a in pp.SCHEDULES["1f1b"](4, 8)] == [4, 3, 2, 1]
@@ -66,11 +72,12 @@ def test_interleaved_holds_its_warm_up(p, m, v):
 
 
 @pytest.mark.parametrize("p, m", ZB_SHAPES, ids=[f"pp{p}-m{m}" for p, m in ZB_SHAPES])
-def test_zb1_order_is_torchs(p, m):
+@pytest.mark.parametrize("step", SCHEDULED, ids=lambda step: step.split("_")[0])
+def test_zb1_order_is_torchs(step, p, m):
     """torch's ZB1P order with one stage per rank (ScheduleInterleavedZeroBubble's own rank
     orders, before the idle slots it adds where a rank would wait; its schedule visualiser
     refuses one stage per rank), B written I there."""
-    pp = import_step(S14, "pipeline_parallel")
+    pp = import_step(step, "pipeline_parallel")
     mine = [
         [f"{r}{dict(F='F', B='I', W='W')[a.kind]}{a.micro_batch}" for a in actions]
         for r, actions in enumerate(pp.SCHEDULES["zb1"](p, m))
@@ -87,11 +94,12 @@ def test_zb1_order_is_torchs(p, m):
 
 
 @pytest.mark.parametrize("p, m", ZB_SHAPES, ids=[f"pp{p}-m{m}" for p, m in ZB_SHAPES])
-def test_zb1_holds_what_1f1b_holds_on_its_first_rank(p, m):
+@pytest.mark.parametrize("step", SCHEDULED, ids=lambda step: step.split("_")[0])
+def test_zb1_holds_what_1f1b_holds_on_its_first_rank(step, p, m):
     """A micro-batch is held from its F to its W: rank r holds its 1F1B warm-up and the r W's it
     keeps back, min(p, m) on every rank, 1F1B's peak, which rank 0 holds; every F has its B and
     its W, each after the one before."""
-    pp = import_step(S14, "pipeline_parallel")
+    pp = import_step(step, "pipeline_parallel")
     for r, actions in enumerate(pp.SCHEDULES["zb1"](p, m)):
         assert pp.held(actions) == min(p, m), r
         for k in range(m):
@@ -223,14 +231,15 @@ def run_split(zb, piece, dtype, split, deferring):
 
 
 @pytest.mark.parametrize("piece", SPLIT_PIECES)
-def test_b_then_w_gives_autograds_gradients(piece):
+@pytest.mark.parametrize("step", SPLIT, ids=lambda step: step.split("_")[0])
+def test_b_then_w_gives_autograds_gradients(step, piece):
     """zero_bubble.py against autograd on one process, in fp32 and under bf16 autocast, two
     micro-batches: a linear layer, the embedding's lookup (its pad row left at 0), a norm's weight
     through Hold, the tiny model with every layer swapped by apply_zero_bubble (tp 1). Within
     `deferred`, B gives the input its gradient and no parameter its own, running none of their
     hooks (the buckets' launch); the W's then give each parameter its gradient, bit for bit
     autograd's, its hook run once a micro-batch. Outside `deferred`, B gives both at once."""
-    zb = import_step(S14, "zero_bubble")
+    zb = import_step(step, "zero_bubble")
     if piece == "model":  # the tensor-parallel layers ask their group for its size
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -24,8 +24,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 import activation_memory  # noqa: E402
 import convergence  # noqa: E402
 from memory_table import SavedTensors  # noqa: E402
+from steps import carriers  # noqa: E402
 
 S13 = "step13_sequence_parallel"
+# The steps that carry step 13's code: its detailed checks run on each one's copy.
+CARRIERS = carriers("sequence_parallel.py", S13)
+STEP_IDS = {"ids": lambda step: step.split("_")[0]}
 LAYOUTS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full"), (False, "full")]
 
 
@@ -293,16 +297,18 @@ def piece_worker(rank, world, piece):
 
 
 @pytest.mark.parametrize("piece", list(PIECES))
-def test_piece_matches_one_process(tmp_path, piece):
+@pytest.mark.parametrize("step", CARRIERS, **STEP_IDS)
+def test_piece_matches_one_process(tmp_path, step, piece):
     """One piece of sequence parallelism or recomputation at a time, on 2 ranks: the graded steps
-    of the exercise (tools/steps.py)."""
-    spawn(S13, piece_worker, 2, tmp_path, piece)
+    of the exercise (tools/steps.py), in step 13 and every later step's copy."""
+    spawn(step, piece_worker, 2, tmp_path, piece)
 
 
-def test_recompute_runs_the_function_again_in_backward():
+@pytest.mark.parametrize("step", CARRIERS, **STEP_IDS)
+def test_recompute_runs_the_function_again_in_backward(step):
     """recompute: the output and gradients of the plain call, bit for bit; autograd keeps the
     inputs alone for backward, and backward runs the function once more."""
-    recompute = import_step(S13, "recompute")
+    recompute = import_step(step, "recompute")
     calls = []
 
     def function(x, w):
@@ -335,11 +341,12 @@ def test_recompute_runs_the_function_again_in_backward():
     )
 
 
-def test_recompute_attention_keeps_q_k_v_alone():
+@pytest.mark.parametrize("step", CARRIERS, **STEP_IDS)
+def test_recompute_attention_keeps_q_k_v_alone(step):
     """RecomputeAttention: within it, causal grouped-query attention (is_causal and enable_gqa
     passed on) gives the plain call's output and gradients bit for bit, and keeps q, k, v alone
     for backward, not its output and log-sum-exp; any other function runs as it is."""
-    recompute = import_step(S13, "recompute")
+    recompute = import_step(step, "recompute")
     q0, k0, v0 = seeded((2, 4, 16, 8), 0), seeded((2, 2, 16, 8), 1), seeded((2, 2, 16, 8), 2)
     w0 = seeded((8, 3), 3)
     found = {}
@@ -551,7 +558,8 @@ def activation_bytes(rank, world, results):
     results.put(("formula", rank, formula))
 
 
-def test_activation_bytes_follow_the_formula(tmp_path):
+@pytest.mark.parametrize("step", CARRIERS, **STEP_IDS)
+def test_activation_bytes_follow_the_formula(tmp_path, step):
     """tp 2, each rank, the fused kernel: one layer's bytes kept for backward are the formula's
     in every mode, with and without sequence parallelism; a micro-batch keeps less with sequence
     parallelism and with each recompute mode. The unfused kernel keeps more (the scores), and
@@ -560,7 +568,7 @@ def test_activation_bytes_follow_the_formula(tmp_path):
     import torch.multiprocessing as mp
 
     results = mp.get_context("forkserver").Manager().Queue()
-    spawn(S13, activation_bytes, 2, tmp_path, results)
+    spawn(step, activation_bytes, 2, tmp_path, results)
     found = {}
     while not results.empty():
         attention, rank, figures = results.get()

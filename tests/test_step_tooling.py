@@ -430,3 +430,16 @@ def test_steps_change_only_declared_files():
                     "declared (a fix? put it in the earliest step and run carry_forward)"
                 )
     assert not problems, "\n".join(problems)
+
+
+def test_the_quick_tier_proves_every_step_and_the_tests_readme_lists_every_file():
+    """tests/tiers.py names at least one test for each step of the manifest (conftest.py refuses a
+    name that collects nothing); tests/README.md has a row for each test file."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tiers
+
+    assert set(tiers.QUICK) == {step.folder for step in STEPS} | {"tools"}
+    assert all(tiers.QUICK.values())
+    listed = re.findall(r"^\| \[(test_\w+\.py)\]", (ROOT / "tests" / "README.md").read_text(), re.M)
+    files = sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
+    assert sorted(listed) == files

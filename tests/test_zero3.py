@@ -29,8 +29,11 @@ from torch import nn
 
 sys.path.insert(0, str(ROOT / "tools"))
 import convergence  # noqa: E402
+from steps import carriers  # noqa: E402
 
 S11, S12 = "step11_context_parallel", "step12_zero3"
+# The steps that carry step 12's code: the pieces' checks run on each one's copy.
+CARRIERS = carriers("fully_sharded.py", S12)
 # dp 2 with several buckets and two micro-batches: stage 2 reduce-scatters each one's gradients.
 COMMON = [*TINY, "--max_steps", "6", "--eval_every", "3", "--eval_steps", "2", "--num_proc", "1"]
 COMMON += ["--sample_tokens", "4", "--save_every", "3"]
@@ -435,7 +438,9 @@ def piece_worker(rank, world, piece):
         unit_name=lambda unit: ", ".join(modules[id(module)] for module in unit.modules),
     )
     if piece in ("gather", "use_whole", "reduce_scatter"):  # the units alone
-        ctx.units = [Unit(*unit, pgm.group("dp", "cp")[0]) for unit in units_of(model)]
+        # (modules, uses), and from step 15 whether the unit holds experts (none here)
+        group = pgm.group("dp", "cp")[0]
+        ctx.units = [Unit(unit[0], unit[1], group) for unit in units_of(model)]
     else:
         stage = train.PipelineParallel(model)
         ctx.wrapped = FullyShardedDataParallel(stage, model, pgm, ("dp", "cp"))
@@ -443,10 +448,11 @@ def piece_worker(rank, world, piece):
 
 
 @pytest.mark.parametrize("piece", ["stage_2", *PIECES])
-def test_piece_matches_one_process(tmp_path, piece):
+@pytest.mark.parametrize("step", CARRIERS, ids=lambda step: step.split("_")[0])
+def test_piece_matches_one_process(tmp_path, step, piece):
     """One piece of ZeRO-2 or ZeRO-3 at a time, on 2 ranks: the graded steps of the exercise
-    (tools/steps.py)."""
-    spawn(S12, piece_worker, 2, tmp_path, piece)
+    (tools/steps.py), in step 12 and every later step's copy."""
+    spawn(step, piece_worker, 2, tmp_path, piece)
 
 
 # ---- training at each stage -------------------------------------------------------------------

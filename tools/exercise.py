@@ -257,7 +257,9 @@ def run_graded(folder, nodes, stop_first=True):
     folders = [folder] if isinstance(folder, (str, Path)) else folder
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "exercise"]
+        # -n 0: in this process, not on the workers that pyproject.toml's addopts start.
+        command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
+        command += ["-p", "exercise"]
         command += [arg for f in folders for arg in ("--step", str(Path(f).resolve()))]
         command += [*(["-x"] if stop_first else []), *nodes]
         path = os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])

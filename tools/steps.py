@@ -397,9 +397,9 @@ ZERO3_BLANKS = (
 )  # fmt: skip
 ZERO3_TESTS = "tests/test_zero3.py::"
 ZERO3_GRADED = (
-    f"{ZERO3_TESTS}test_piece_matches_one_process[stage_2]",
+    f"{ZERO3_TESTS}test_piece_matches_one_process[step12-stage_2]",
     f"{ZERO3_TESTS}test_shard_parameters_gives_each_rank_its_rows",
-    *(f"{ZERO3_TESTS}test_piece_matches_one_process[{piece}]"
+    *(f"{ZERO3_TESTS}test_piece_matches_one_process[step12-{piece}]"
       for piece in ("gather", "use_whole", "reduce_scatter", "forward", "backward", "clip")),
     f"{ZERO3_TESTS}test_stage_3_sends_half_again_as_much",
     f"{ZERO3_TESTS}test_stage_3_equals_fully_shard",
@@ -444,11 +444,11 @@ SP_BLANKS = (
 )  # fmt: skip
 SP_TESTS = "tests/test_sequence_parallel.py::"
 SP_GRADED = (
-    *(f"{SP_TESTS}test_piece_matches_one_process[{piece}]"
+    *(f"{SP_TESTS}test_piece_matches_one_process[step13-{piece}]"
       for piece in ("gather_sequence", "reduce_scatter_sequence", "f", "g", "norm", "model")),
-    f"{SP_TESTS}test_recompute_runs_the_function_again_in_backward",
-    f"{SP_TESTS}test_recompute_attention_keeps_q_k_v_alone",
-    f"{SP_TESTS}test_piece_matches_one_process[apply_recompute]",
+    f"{SP_TESTS}test_recompute_runs_the_function_again_in_backward[step13]",
+    f"{SP_TESTS}test_recompute_attention_keeps_q_k_v_alone[step13]",
+    f"{SP_TESTS}test_piece_matches_one_process[step13-apply_recompute]",
     f"{SP_TESTS}test_every_layout_computes_one_process_gradients",
     f"{SP_TESTS}test_sequence_parallel_equals_dtensor",
     f"{SP_TESTS}test_every_layout_trains_like_one_process[sp_tp2_selective]",
@@ -495,13 +495,13 @@ SCHEDULES_BLANKS = (
 )  # fmt: skip
 SCHEDULES_TESTS = "tests/test_pipeline_schedules.py::"
 SCHEDULES_GRADED = (
-    *(f"{SCHEDULES_TESTS}test_interleaved_order_is_torchs[{shape}]"
+    *(f"{SCHEDULES_TESTS}test_interleaved_order_is_torchs[step14-{shape}]"
       for shape in ("pp2-m4-v2", "pp4-m8-v3")),
-    f"{SCHEDULES_TESTS}test_interleaved_holds_its_warm_up[pp4-m8-v2]",
-    *(f"{SCHEDULES_TESTS}test_zb1_order_is_torchs[{shape}]"
+    f"{SCHEDULES_TESTS}test_interleaved_holds_its_warm_up[step14-pp4-m8-v2]",
+    *(f"{SCHEDULES_TESTS}test_zb1_order_is_torchs[step14-{shape}]"
       for shape in ("pp2-m4", "pp4-m2", "pp4-m8")),
-    f"{SCHEDULES_TESTS}test_zb1_holds_what_1f1b_holds_on_its_first_rank[pp4-m8]",
-    *(f"{SCHEDULES_TESTS}test_b_then_w_gives_autograds_gradients[{piece}]"
+    f"{SCHEDULES_TESTS}test_zb1_holds_what_1f1b_holds_on_its_first_rank[step14-pp4-m8]",
+    *(f"{SCHEDULES_TESTS}test_b_then_w_gives_autograds_gradients[step14-{piece}]"
       for piece in ("linear", "lookup", "norm", "model")),
     f"{SCHEDULES_TESTS}test_a_checkpoint_of_two_chunks_per_rank_resumes_elsewhere",
 )  # fmt: skip
@@ -665,3 +665,12 @@ def step_entry(number):
     """The manifest's entry of step `number`."""
     [entry] = [step for step in STEPS if step.number == number]
     return entry
+
+
+def carriers(file, folder):
+    """The step `folder` that introduces or changes `file`, and every later step of the manifest,
+    each of which carries the file (copied as it is, or changed again): the steps whose copy of a
+    technique's code its detailed checks test."""
+    start = step_entry(step_number(Path(folder)))
+    assert file in start.changes, f"{folder} does not introduce or change {file}"
+    return [step.folder for step in STEPS if step.number >= start.number]
