@@ -319,30 +319,44 @@ def router_stats(model, pgm):
     layers of every stage); each layer's rows per expert, over the whole batch, with the
     busiest expert's load over the mean (1.0: even); and the share of the rows that a layer with
     a capacity (Switch Transformer's, GShard's: each expert takes at most CAPACITY_FACTOR x its
-    even share of a micro-batch's rows, the rest dropped) would have dropped. Here none is."""
+    even share of a micro-batch's rows, the rest dropped) would have dropped. Here none is.
+    Summed on the device, in one tensor: [losses, rows over capacity, all rows, the (L, E)
+    loads], one all-reduce over the stages and the replicas (pp x dp x cp; none on one rank)."""
     config = model.config
-    E = config.num_local_experts
-    loads = torch.zeros(config.num_hidden_layers, E)
-    totals = torch.zeros(3)  # the losses, the rows over capacity, all the rows
+    E, device = config.num_local_experts, model.expert_bias.device
+    loads = torch.zeros(config.num_hidden_layers, E, device=device)
+    totals = torch.zeros(3, device=device)  # the losses, the rows over capacity, all the rows
     for name, moe in model.named_modules():
         if isinstance(moe, MixtureOfExperts):
             layer = int(name.split(".")[2])  # model.layers.3.mlp
             for loss, counts in moe.record:
-                counts = counts.float().cpu()
-                capacity = int(CAPACITY_FACTOR * counts.sum().item() / E)
-                over = (counts - capacity).clamp(min=0).sum()
-                totals += torch.stack([loss.cpu(), over, counts.sum()])
+                counts = counts.float()
+                capacity = torch.floor(CAPACITY_FACTOR * counts.double().sum() / E)
+                over = (counts - capacity.float()).clamp(min=0).sum()
+                totals += torch.stack([loss.float(), over, counts.sum()])
                 loads[layer] += counts
             moe.record.clear()
-    device = next(model.parameters()).device
-    both = torch.cat([totals, loads.view(-1)]).to(device)
-    dist.all_reduce(both, group=pgm.pp_group)  # each stage its layers
-    dist.all_reduce(both, group=pgm.dp_cp_group)  # each replica its share of the batch
-    both = both.cpu()
-    loss, dropped = both[0].item() / (pgm.dp_size * pgm.cp_size), (both[1] / both[2]).item()
-    loads = both[3:].view_as(loads)
-    balance = (loads.max(dim=1).values / loads.mean(dim=1)).tolist()
-    record = {"router_loss": loss, "expert_load": loads.tolist(), "load_max_over_mean": balance}
+    both = torch.cat([totals, loads.view(-1)])
+    group, ranks = pgm.group("pp", "dp", "cp")  # each stage its layers, each replica its rows
+    if len(ranks) > 1:
+        dist.all_reduce(both, group=group)
+    return both
+
+
+def router_step(model, pgm, rate, finite):
+    """Once per optimizer step, after its backwards: the router's statistics of the whole batch
+    (`router_stats`), the balancing bias moved from its loads on the device when `rate` and the
+    step was applied (`update_expert_bias`), then the step's record, read on the host once."""
+    both = router_stats(model, pgm)
+    loads = both[3:].view_as(model.expert_bias)  # (L, E)
+    if rate and finite:
+        update_expert_bias(model, loads, rate)
+    both = both.tolist()  # the step's one read of the statistics on the host
+    L, E = model.expert_bias.shape
+    loss, dropped = both[0] / (pgm.dp_size * pgm.cp_size), both[1] / both[2]
+    loads = [both[3 + layer * E : 3 + (layer + 1) * E] for layer in range(L)]
+    balance = [max(row) / (sum(row) / E) for row in loads]
+    record = {"router_loss": loss, "expert_load": loads, "load_max_over_mean": balance}
     return {**record, f"dropped_at_capacity_{CAPACITY_FACTOR}": dropped}
 
 
@@ -383,8 +397,7 @@ def update_expert_bias(model, loads, rate):
     """Once per optimizer step, after every micro-batch: each bias moves by `rate` towards the
     even load, from the rows every expert got over the whole batch (`router_stats`, summed over
     every rank that shares it), so that every rank moves alike. Per micro-batch, or from one
-    rank's rows, the bias would follow how the batch is cut."""
-    loads = torch.tensor(loads, device=model.expert_bias.device)  # (L, E)
+    rank's rows, the bias would follow how the batch is cut. `loads`: (L, E), on its device."""
     model.expert_bias += rate * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
 
 

@@ -44,9 +44,8 @@ from moe import (
     check_moe,
     is_moe,
     load_table,
-    router_stats,
+    router_step,
     set_router_losses,
-    update_expert_bias,
 )
 from muon import make_optimizer
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
@@ -434,10 +433,8 @@ def main(argv=None):
         with run.communication():  # --comm_stats: what the step sends
             facts = train_step(ctx, state, batch)
         run.end(facts, state.train_loader.position * args.seq_len)
-        if is_moe(config):  # the router's losses and each layer's rows per expert
-            run.record.update(router_stats(model, pgm))
-            if args.expert_bias_rate and facts.finite:  # once per step, from the whole batch
-                update_expert_bias(model, run.record["expert_load"], args.expert_bias_rate)
+        if is_moe(config):  # the router's losses, each layer's rows per expert, the bias moved
+            run.record.update(router_step(model, pgm, args.expert_bias_rate, facts.finite))
         if run.should_validate():
             run.record["val_loss"] = evaluate(ctx, state)
             if is_moe(config):  # with each validation: how evenly the experts were loaded

@@ -546,7 +546,6 @@ def route(self, x):
 moe.MixtureOfExperts.route = route
 moe.update_expert_bias = lambda *args: None
 import train
-train.update_expert_bias = moe.update_expert_bias
 """
 
 
@@ -568,6 +567,21 @@ def test_the_balancing_bias_moves_once_per_step_from_the_whole_batch(tmp_path, t
     buggy = convergence.compare(records, base)
     print(f"\n{convergence.table({'ep2_dp2 + the bias per micro-batch': buggy})}")
     assert not buggy.ok
+
+
+def test_the_balancing_bias_is_training_state_not_read_from_the_log(tmp_path):
+    """The bias moves on the device from the step's counts, whatever is printed: ep 2 over dp 2
+    with --expert_bias_rate 0.01, the step line every step or every 10th, trains the same to the
+    bit (every loss, gradient norm and expert load of the log file)."""
+    [layout] = [lay for lay in convergence.step_layouts(15, 4) if lay.name == "ep2_dp2"]
+    common = [*COMMON, "--expert_bias_rate", "0.01", "--max_steps", "12", "--eval_every", "0"]
+    runs = {}
+    for every in ("1", "10"):
+        flags = [*common, "--log_every", every]
+        runs[every] = convergence.run(layout, flags, tmp_path / every, env=ENV)
+    keys = ("step", "loss", "grad_norm", "expert_load", "router_loss")
+    assert [[r[k] for k in keys] for r in runs["1"]] == [[r[k] for k in keys] for r in runs["10"]]
+    assert runs["1"][-1]["expert_load"] != runs["1"][0]["expert_load"]
 
 
 def test_bf16_at_ep2_trains_like_one_process_in_bf16(tmp_path):
