@@ -88,7 +88,9 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_collection_modifyitems(session, config, items):
     """Mark the quick tier (tests/tiers.py), refusing an entry that names no collected test of a
     module that was collected; put each test in its xdist group, the heaviest groups first."""
-    collected = {item.nodeid.split("::")[0] for item in items}
+    # Whole modules collected (no test named on the command line): each entry must name a test.
+    whole = not any("::" in arg for arg in config.args)
+    collected = {item.nodeid.split("::")[0] for item in items} if whole else set()
     for entry in sorted(tiers.quick_ids()):
         if entry.split("::")[0] in collected and not any(
             tiers.matches(item.nodeid, entry) for item in items
