@@ -193,6 +193,37 @@ def run_step(step, args, nproc=1, timeout=300, env=None, torchrun=True, fork=Tru
     )
 
 
+def exit_here(code):
+    raise SystemExit(code)  # what os._exit would end the process with
+
+
+def run_in_process(step, args, capsys, monkeypatch):
+    """`python step/train.py args` in this process: the exit status and what it printed."""
+    train = import_step(step, "train")
+    utils = sys.modules["utils"]  # the step's own, imported by train
+    monkeypatch.setattr(utils.os, "_exit", exit_here)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            utils.run_main(lambda: train.main(args))
+    finally:
+        if dist.is_initialized():  # refused after the group of one was made
+            dist.destroy_process_group()
+    elapsed = time.monotonic() - start
+    printed = capsys.readouterr()
+    return exit_info.value.code, printed.out + printed.err, elapsed
+
+
+def refusal(step, args, nproc, capsys, monkeypatch):
+    """A run that must be refused: (exit status, all it printed). On one process, in this process
+    (`run_in_process`: no start-up); on several, their ranks as torchrun starts them."""
+    if nproc == 1:
+        code, output, _ = run_in_process(step, args, capsys, monkeypatch)
+        return code, output
+    result = run_step(step, args, nproc=nproc)
+    return result.returncode, result.stdout + result.stderr
+
+
 def check(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result

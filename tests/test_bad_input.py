@@ -12,8 +12,7 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import ROOT, TINY, import_step, run_step
+from conftest import ROOT, TINY, exit_here, import_step, run_in_process, run_step
 from safetensors.torch import save_file
 
 RUN = ["--max_steps", "2", "--num_proc", "1", "--sample_tokens", "4", "--eval_steps", "1"]
@@ -248,27 +247,6 @@ CASES = [
     (S9, "--model_name {tmp}/nothing", "--model_name {tmp}/nothing: could not load the model"),
     (S9, "--dp_size 2", "tp_size * pp_size * dp_size = 1 * 1 * 2 = 2, but the world size is 1"),
 ]
-
-
-def exit_here(code):
-    raise SystemExit(code)  # what os._exit would end the process with
-
-
-def run_in_process(step, args, capsys, monkeypatch):
-    """`python step/train.py args` in this process: the exit status and what it printed."""
-    train = import_step(step, "train")
-    utils = sys.modules["utils"]  # the step's own, imported by train
-    monkeypatch.setattr(utils.os, "_exit", exit_here)
-    start = time.monotonic()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            utils.run_main(lambda: train.main(args))
-    finally:
-        if dist.is_initialized():  # refused after the group of one was made
-            dist.destroy_process_group()
-    elapsed = time.monotonic() - start
-    printed = capsys.readouterr()
-    return exit_info.value.code, printed.out + printed.err, elapsed
 
 
 @pytest.mark.parametrize(("step", "args", "message"), CASES)

@@ -15,7 +15,7 @@ from itertools import accumulate
 import pytest
 import torch
 import transformers
-from conftest import ROOT, assert_weights_readable_as_config, check
+from conftest import LAUNCH, ROOT, assert_weights_readable_as_config, check
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -24,6 +24,16 @@ import sample as sample_tool  # noqa: E402
 
 # The tools read local folders only; a hub lookup would fail at once instead of retrying.
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+# The tools as `python tool.py` runs them, forked from the tests' launch server, which has
+# imported torch and transformers once for all of them.
+TOOL = [*LAUNCH, "--python"]
+
+
+def env():
+    """ENV, with the server the session started (after this module was imported)."""
+    return {**ENV, **os.environ}
+
+
 TOKENIZER = ROOT / "assets" / "tokenizers" / "tinytales"
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # name: (layers of each pipeline stage or None, tp_size, where a tied table is NOT saved)
@@ -153,10 +163,10 @@ def test_export_cli_without_config_json(tmp_path):
     transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2}).save_pretrained(
         tmp_path / "base"
     )
-    command = [sys.executable, str(ROOT / "tools" / "export_hf.py"), tmp_path / "run"]
+    command = [*TOOL, str(ROOT / "tools" / "export_hf.py"), tmp_path / "run"]
     command += [tmp_path / "hf", "--model_name", tmp_path / "base", "--num_hidden_layers", "5"]
     command += ["--tokenizer", TOKENIZER]
-    check(subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120))
+    check(subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120))
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     assert_weights_readable_as_config(tmp_path / "hf")
     exported = transformers.AutoConfig.from_pretrained(tmp_path / "hf", local_files_only=True)
@@ -265,10 +275,10 @@ def test_sample_cli_greedy_is_the_models_argmax(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
     expected = greedy(model, tokenizer, "Once upon a time", 8)
     assert expected.startswith("Once upon a time") and expected != "Once upon a time"
-    command = [sys.executable, str(ROOT / "tools" / "sample.py"), tmp_path / "run"]
+    command = [*TOOL, str(ROOT / "tools" / "sample.py"), tmp_path / "run"]
     command += ["--num_tokens", "8", "--temperature", "0", "--device", "cpu"]
     result = check(
-        subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+        subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
     )
     assert result.stdout == expected + "\n"
 

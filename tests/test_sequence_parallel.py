@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import ROOT, TINY, assert_matches, import_step, run_step, spawn, step_dir
+from conftest import ROOT, TINY, assert_matches, import_step, refusal, spawn, step_dir
 
 sys.path.insert(0, str(ROOT / "tools"))
 import activation_memory  # noqa: E402
@@ -609,11 +609,11 @@ def test_activation_bytes_follow_the_formula(tmp_path, step):
     ],
     ids=["no-tp", "seq-len", "mode", "selective-cp"],
 )
-def test_what_cannot_work_is_refused_before_the_first_step(flags, message):
-    result = run_step(S13, [*TINY, "--max_steps", "2", *flags], nproc=1)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
+def test_what_cannot_work_is_refused_before_the_first_step(flags, message, capsys, monkeypatch):
+    code, output = refusal(S13, [*TINY, "--max_steps", "2", *flags], 1, capsys, monkeypatch)
+    assert code == 2, output
+    assert message in output
+    assert "Traceback" not in output
 
 
 # zero3_dp2_pp2_full: ZeRO-3's views of the whole weights, made again in backward for the

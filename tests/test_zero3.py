@@ -21,6 +21,7 @@ from conftest import (
     check,
     import_step,
     read_log,
+    refusal,
     run_step,
     spawn,
     step_dir,
@@ -712,12 +713,14 @@ def test_kept_gathered_across_micro_batches_trains_alike_with_one_all_gather_per
     ],
     ids=["nothing-to-shard", "compile", "timeline", "rows", "reshard"],
 )
-def test_what_cannot_work_is_refused_before_the_first_step(flags, nproc, message):
-    result = run_step(S12, [*TINY, "--max_steps", "2", *flags], nproc=nproc)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "step 1/" not in result.stdout
+def test_what_cannot_work_is_refused_before_the_first_step(
+    flags, nproc, message, capsys, monkeypatch
+):
+    code, output = refusal(S12, [*TINY, "--max_steps", "2", *flags], nproc, capsys, monkeypatch)
+    assert code == 2, output
+    assert message in output
+    assert "Traceback" not in output
+    assert "step 1/" not in output
 
 
 def test_every_layout_trains_like_one_process(tmp_path):
