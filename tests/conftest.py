@@ -214,14 +214,19 @@ def run_in_process(step, args, capsys, monkeypatch):
     return exit_info.value.code, printed.out + printed.err, elapsed
 
 
-def refusal(step, args, nproc, capsys, monkeypatch):
-    """A run that must be refused: (exit status, all it printed). On one process, in this process
-    (`run_in_process`: no start-up); on several, their ranks as torchrun starts them."""
+def assert_refused(step, args, nproc, message, capsys, monkeypatch):
+    """A run that must be refused before its first step: exit status 2, `message` printed, no
+    traceback. On one process, in this process (`run_in_process`: no start-up); on several, their
+    ranks as torchrun starts them."""
     if nproc == 1:
         code, output, _ = run_in_process(step, args, capsys, monkeypatch)
-        return code, output
-    result = run_step(step, args, nproc=nproc)
-    return result.returncode, result.stdout + result.stderr
+    else:
+        result = run_step(step, args, nproc=nproc)
+        code, output = result.returncode, result.stdout + result.stderr
+    assert code == 2, output[-2000:]
+    assert message in output, output[-2000:]
+    assert "Traceback" not in output
+    assert "step 1/" not in output
 
 
 def check(result):
