@@ -130,19 +130,22 @@ class Facts(NamedTuple):
     loss_finite: bool  # on every rank
     grad_norm_finite: bool
     stop: bool  # SIGTERM came to some rank: every rank stops after this step
+    sums: torch.Tensor | None = None  # a step's own statistics, summed over the world on the device
 
     @property
     def finite(self):
         return self.loss_finite and self.grad_norm_finite
 
 
-def agree(loss, grad_norm, counted=True, replicas=1):
+def agree(loss, grad_norm, counted=True, replicas=1, sums=None):
     """The step's facts in one collective and one host sync, before the update: every rank then
     decides alike (a step that is not finite on one rank is applied on none) and stops after the
     same step. `loss`: this rank's loss; the logged loss is its sum over the ranks that count it
     (a rank whose loss copies another's does not), divided by `replicas`, the ranks that each saw
     their own share of the batch. `grad_norm` is the whole model's, the same on every rank. On a
-    GPU each `.item()` waits for the queue to drain, so the five facts travel as one tensor."""
+    GPU each `.item()` waits for the queue to drain, so the five facts travel as one tensor.
+    `sums`: a technique's statistics of the step (a tensor), summed over the world in the same
+    collective and left on the device (`Facts.sums`): the host reads them only when it logs."""
     facts = torch.stack(
         [
             loss.float() if counted else torch.zeros_like(loss, dtype=torch.float32),
@@ -151,11 +154,14 @@ def agree(loss, grad_norm, counted=True, replicas=1):
             torch.tensor(float(StopSignal.received), device=loss.device),
         ]
     )
+    if sums is not None:
+        facts = torch.cat([facts, sums.float().view(-1)])
     if dist.get_world_size() > 1:  # a world of one has nothing to agree on
         dist.all_reduce(facts)
+    facts, sums = facts[:4], None if sums is None else facts[4:].view_as(sums)
     facts = torch.cat([facts, grad_norm.float().view(1)])  # the norm is already the same everywhere
     loss_sum, bad_loss, bad_norm, stop, norm = facts.tolist()
-    return Facts(loss_sum / replicas, norm, bad_loss == 0, bad_norm == 0, stop > 0)
+    return Facts(loss_sum / replicas, norm, bad_loss == 0, bad_norm == 0, stop > 0, sums)
 
 
 def one_node(environ):
@@ -598,12 +604,12 @@ class Run:
     def log_step(self):
         """Writes the step's record; prints the validation loss, when the step has one, and every
         log_every steps the step line."""
-        args, record = self.args, self.record
+        record = self.record
         self.metrics.write(record)
         if "val_loss" in record:
             log(f"step {self.step}/{self.max_steps} | validation loss {record['val_loss']:.4f}")
         self.early_stop.check(self.step, record.get("val_loss"))
-        if self.step % args.log_every == 0 or self.last():
+        if self.should_log():
             flops_per_second = self.flops * record["tokens_per_second"]
             log(
                 f"step {self.step}/{self.max_steps} | loss {record['loss']:.4f}"
@@ -611,6 +617,10 @@ class Run:
                 f" | {record['tokens_per_second']:,.0f} tok/s"
                 f" | {throughput(flops_per_second, self.peak)}"
             )
+
+    def should_log(self):
+        """Whether this step prints its step line: every log_every steps and at the last."""
+        return self.step % self.args.log_every == 0 or self.last()
 
     def should_save(self):
         """Every save_every steps, at the last step, and when SIGTERM came to some rank (the

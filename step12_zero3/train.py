@@ -174,6 +174,23 @@ def build_model(ctx, config):
     return model
 
 
+def data_parallel(ctx, wrapped, model, tied):
+    """ZeRO around the stage's forward (`wrapped`): its gradients averaged and the optimizer
+    sharded over dp x cp, the ranks with the same weights; stage 1 and 2 on step 6's buckets
+    (DataParallelZero1), stage 3 the parameters themselves (FullyShardedDataParallel)."""
+    args, device, dtype, pgm = ctx
+    axes = ("dp", "cp")
+    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
+    if args.zero_stage == 3:
+        reshard = args.reshard_after_forward == "always"
+        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard)
+    else:
+        wrapped = DataParallelZero1(
+            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
+        )
+    return wrapped
+
+
 def build_optimizer(ctx, model, zero):
     """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py); linear
     warm-up, then the --lr_schedule down to 10 %. ZeRO-1: `zero.shard(params)` gives this
@@ -318,16 +335,7 @@ def main(argv=None):
     ### end Pipeline parallelism
     wrapped = torch.compile(stage) if args.compile else stage
     ### begin ZeRO-1
-    # Gradients averaged and the optimizer sharded over dp x cp: the ranks with the same weights.
-    axes = ("dp", "cp")
-    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
-    if args.zero_stage == 3:
-        reshard = args.reshard_after_forward == "always"
-        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard)
-    else:
-        wrapped = DataParallelZero1(
-            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
-        )
+    wrapped = data_parallel(ctx, wrapped, model, tied)  # ZeRO-1, 2 or 3 over dp x cp
     optimizer, scheduler = build_optimizer(ctx, model, wrapped)
     ### end ZeRO-1
     params = sum(p.numel() for p in model.parameters())

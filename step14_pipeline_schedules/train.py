@@ -213,6 +213,32 @@ def build_model(ctx, config):
     return model
 
 
+def activation_shape(ctx, config):
+    """The shape of the activations between stages, known in advance: a cp rank holds seq_len /
+    cp_size tokens of each row, and with sequence parallelism a tp rank a tp_size-th of those."""
+    args, device, dtype, pgm = ctx
+    tokens = args.seq_len // pgm.cp_size // (pgm.tp_size if args.sequence_parallel else 1)
+    return (args.micro_batch_size, tokens, config.hidden_size)
+
+
+def data_parallel(ctx, wrapped, model, tied):
+    """ZeRO around the stage's forward (`wrapped`): its gradients averaged and the optimizer
+    sharded over dp x cp, the ranks with the same weights; stage 1 and 2 on step 6's buckets
+    (DataParallelZero1), stage 3 the parameters themselves (FullyShardedDataParallel)."""
+    args, device, dtype, pgm = ctx
+    axes = ("dp", "cp")
+    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
+    if args.zero_stage == 3:
+        reshard = args.reshard_after_forward == "always"
+        split = args.pp_engine in SPLIT_BACKWARD  # zero bubble: W hands each gradient over
+        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard, split)
+    else:
+        wrapped = DataParallelZero1(
+            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
+        )
+    return wrapped
+
+
 def build_optimizer(ctx, model, zero):
     """AdamW, weight decay on matrices only (not norms), or --optimizer muon (muon.py); linear
     warm-up, then the --lr_schedule down to 10 %. ZeRO-1: `zero.shard(params)` gives this
@@ -357,24 +383,11 @@ def main(argv=None):
     stage = PipelineParallel(model, layers)
     gradients = gradient_group(pgm)  # the group the gradients travel back on
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
-    # Known in advance; a cp rank holds seq_len / cp_size tokens of each row, and with sequence
-    # parallelism a tp rank a tp_size-th of those.
-    tokens = args.seq_len // pgm.cp_size // (pgm.tp_size if args.sequence_parallel else 1)
-    shape = (args.micro_batch_size, tokens, config.hidden_size)
+    shape = activation_shape(ctx, config)  # what the stages send each other
     ### end Pipeline parallelism
     wrapped = torch.compile(stage) if args.compile else stage
     ### begin ZeRO-1
-    # Gradients averaged and the optimizer sharded over dp x cp: the ranks with the same weights.
-    axes = ("dp", "cp")
-    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
-    if args.zero_stage == 3:
-        reshard = args.reshard_after_forward == "always"
-        split = args.pp_engine in SPLIT_BACKWARD  # zero bubble: W hands each gradient over
-        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard, split)
-    else:
-        wrapped = DataParallelZero1(
-            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
-        )
+    wrapped = data_parallel(ctx, wrapped, model, tied)  # ZeRO-1, 2 or 3 over dp x cp
     optimizer, scheduler = build_optimizer(ctx, model, wrapped)
     ### end ZeRO-1
     params = sum(p.numel() for p in model.parameters())

@@ -43,7 +43,7 @@ from moe import mixtral_name
 from muon import moments
 from pipeline_parallel import check_pipeline_parallel
 from placement import Held, first_holder, placed_parameters, starts
-from process_group_manager import AXES
+from process_group_manager import AXES, NAMES
 from tensor_parallel import check_tensor_parallel
 from utils import log
 
@@ -113,7 +113,7 @@ def file_name(section, model, pgm):
     pieces spread over it (`writes`), so no two ranks that write share a name; parameters spread
     over another axis (dp, when a technique splits them there) put it in the name."""
     spread = set().union(*(placed.axes for placed in placed_parameters(model)))
-    axes = [axis for axis in ["dp", "ep", *AXES[1:]] if axis in spread]  # ep: a part of dp
+    axes = [axis for axis in NAMES if axis in spread]  # of either layout (process_group_manager)
     where = [f"{a}{getattr(pgm, f'{a}_rank')}-of-{getattr(pgm, f'{a}_size')}" for a in axes]
     return "-".join([section, *where]) + ".safetensors"
 

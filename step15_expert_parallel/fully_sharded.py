@@ -80,19 +80,20 @@ def shard_parameters(model, pgm, axes):
     """Cut each parameter's rows over the grid's `axes` ("dp", "cp"): a record of one Split per
     axis of more than one rank, outermost first, and a meta tensor of this rank's piece. Call it
     on the meta device, after every other technique has placed its parameters. An expert, held
-    by one ep rank (expert_parallel.py), is cut over the ranks that hold it: edp instead of dp."""
+    by one ep rank (expert_parallel.py), is cut over the ranks that hold it: edp instead of dp
+    (process_group_manager.py's `axes_of`)."""
 
     def splits(axes):
         sizes = {axis: getattr(pgm, f"{axis}_size") for axis in axes}
         shards = [Split(a, 0, getattr(pgm, f"{a}_rank"), size) for a, size in sizes.items()]
         return [split for split in shards if split.size > 1]
 
-    cuts = {False: splits(axes), True: splits(["edp" if a == "dp" else a for a in axes])}
     for prefix, module in model.named_modules():
         names = [name for name, _ in module.named_parameters(recurse=False)]
         for name in names:
             param = getattr(module, name)
-            shards = cuts[any(entry.axis == "ep" for entry in record_of(module, name))]
+            # The axes as the parameter's layout names them (an expert's dp: edp; ep holds it).
+            shards = splits(pgm.axes_of(axes, {entry.axis for entry in record_of(module, name)}))
             ways = 1
             for split in shards:
                 ways *= split.size
@@ -285,7 +286,7 @@ class FullyShardedDataParallel(nn.Module):
         self.dp_group, _ = pgm.group(*shard_axes)
         replicas = dist.get_world_size(self.dp_group)
         self.units = [
-            Unit(modules, uses, pgm.edp_cp_group, replicas)
+            Unit(modules, uses, pgm.group(*pgm.axes_of(shard_axes, {"ep"}))[0], replicas)
             if experts
             else Unit(modules, uses, self.dp_group)
             for modules, uses, experts in units_of(model)

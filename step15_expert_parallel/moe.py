@@ -50,6 +50,7 @@ from torch import nn
 
 from model import LlamaMLP
 from tensor_parallel import Copy, Reduce, all_reduce
+from utils import log
 
 MODEL_TYPES = ("llama", "mixtral")  # the configs this step trains: Mixtral, a Llama with experts
 
@@ -314,14 +315,17 @@ CAPACITY_FACTOR = 1.25  # for the log only: what a layer with a capacity would h
 
 
 def router_stats(model, pgm):
-    """For the step's record, from what each MoE layer recorded in the step's backwards: the
-    router's losses (their mean over the micro-batches and the dp x cp ranks, summed over the
-    layers of every stage); each layer's rows per expert, over the whole batch, with the
-    busiest expert's load over the mean (1.0: even); and the share of the rows that a layer with
-    a capacity (Switch Transformer's, GShard's: each expert takes at most CAPACITY_FACTOR x its
-    even share of a micro-batch's rows, the rest dropped) would have dropped. Here none is.
-    Summed on the device, in one tensor: [losses, rows over capacity, all rows, the (L, E)
-    loads], one all-reduce over the stages and the replicas (pp x dp x cp; none on one rank)."""
+    """The step's router statistics, from what each MoE layer recorded in the step's backwards,
+    as one tensor on the device: [the router's losses, the rows over capacity, all the rows,
+    each layer's rows per expert (L x E)]. Each rank holds its stage's layers and its share of
+    the batch; train_step adds them up over the world in the step's one collective (`agree`'s
+    `sums`), each counted once: on tp rank 0 (the tp ranks route the same tokens, or under
+    sequence parallelism record every tp rank's rows). The capacity: Switch Transformer's,
+    GShard's, each expert taking at most CAPACITY_FACTOR x its even share of a micro-batch's
+    rows, the rest dropped; here none is, the share that would be is for the log. None for a
+    model without experts."""
+    if not is_moe(model.config):
+        return None
     config = model.config
     E, device = config.num_local_experts, model.expert_bias.device
     loads = torch.zeros(config.num_hidden_layers, E, device=device)
@@ -336,28 +340,29 @@ def router_stats(model, pgm):
                 totals += torch.stack([loss.float(), over, counts.sum()])
                 loads[layer] += counts
             moe.record.clear()
-    both = torch.cat([totals, loads.view(-1)])
-    group, ranks = pgm.group("pp", "dp", "cp")  # each stage its layers, each replica its rows
-    if len(ranks) > 1:
-        dist.all_reduce(both, group=group)
-    return both
+    return torch.cat([totals, loads.view(-1)]) * float(pgm.tp_rank == 0)
 
 
-def router_step(model, pgm, rate, finite):
-    """Once per optimizer step, after its backwards: the router's statistics of the whole batch
-    (`router_stats`), the balancing bias moved from its loads on the device when `rate` and the
-    step was applied (`update_expert_bias`), then the step's record, read on the host once."""
-    both = router_stats(model, pgm)
-    loads = both[3:].view_as(model.expert_bias)  # (L, E)
-    if rate and finite:
-        update_expert_bias(model, loads, rate)
-    both = both.tolist()  # the step's one read of the statistics on the host
+def router_step(model, pgm, args, facts, run):
+    """Once per optimizer step, after it: the balancing bias moved on the device from the whole
+    batch's loads (`facts.sums`, `router_stats`) when --expert_bias_rate is set and the step was
+    applied (`update_expert_bias`); on a step that logs or validates, the router's record in
+    `run.record`, read on the host once: the losses' mean over the micro-batches and the dp x cp
+    ranks, each layer's rows per expert with the busiest expert's load over the mean (1.0:
+    even), the capacity's share; and with each validation, the loads' table."""
     L, E = model.expert_bias.shape
+    if args.expert_bias_rate and facts.finite:
+        update_expert_bias(model, facts.sums[3:].view(L, E), args.expert_bias_rate)
+    if not (run.should_log() or run.should_validate()):
+        return
+    both = facts.sums.tolist()  # the statistics' one read on the host, on a step that logs
     loss, dropped = both[0] / (pgm.dp_size * pgm.cp_size), both[1] / both[2]
     loads = [both[3 + layer * E : 3 + (layer + 1) * E] for layer in range(L)]
     balance = [max(row) / (sum(row) / E) for row in loads]
     record = {"router_loss": loss, "expert_load": loads, "load_max_over_mean": balance}
-    return {**record, f"dropped_at_capacity_{CAPACITY_FACTOR}": dropped}
+    run.record.update({**record, f"dropped_at_capacity_{CAPACITY_FACTOR}": dropped})
+    if run.should_validate():  # how evenly the experts were loaded
+        log(load_table(run.record))
 
 
 def load_table(record):
@@ -375,6 +380,14 @@ def load_table(record):
         shares = "  ".join(f"{e} {'#' * round(10 * n / total):<10}" for e, n in enumerate(loads))
         lines.append(f"  layer {layer:<3} {shares}  max/mean {ratio:.2f}")
     return "\n".join(lines)
+
+
+def with_router(config, args):
+    """The config, with --moe_router written into it for a mixture of experts, so that a
+    checkpoint's config.json says it too (and the FLOPs count the shared expert)."""
+    if is_moe(config):
+        config.moe_router = args.moe_router
+    return config
 
 
 def add_expert_bias(model, device):

@@ -118,8 +118,7 @@ def gather(tensor, record, pgm):
     """The full tensor, from every rank's piece of it (this rank's: `tensor`): an all-gather over
     each split's axis, the last split first, so each one undoes a cut of `piece`."""
     for split in reversed(cuts(record)):
-        # edp, the ranks of dp that hold the same experts, is no axis of the grid but a group.
-        group = pgm.edp_group if split.axis == "edp" else pgm.group(split.axis)[0]
+        group, _ = pgm.group(split.axis)
         pieces = [torch.empty_like(tensor) for _ in range(split.size)]
         dist.all_gather(pieces, tensor.contiguous(), group=group)
         tensor = torch.cat(pieces, dim=split.dim)
@@ -150,19 +149,10 @@ class OnWhole:
 
 def first_holder(pgm, spread, axes):
     """Whether this rank is, of the ranks that hold the same piece (one spread over the axes
-    `spread`), the one at coordinate 0 of every other axis of `axes`. Expert parallelism cuts dp
-    in two (process_group_manager.py): an expert, spread over ep, is the same on the dp ranks of
-    one ep rank, and the first of those is the one at edp rank 0."""
-    for axis in axes:
-        if axis in spread:
-            continue
-        if axis == "dp" and "ep" in spread:
-            if "edp" in spread:  # an expert cut over the ranks that hold it (ZeRO-3)
-                continue
-            axis = "edp"
-        if getattr(pgm, f"{axis}_rank") != 0:
-            return False
-    return True
+    `spread`), the one at coordinate 0 of every other axis of `axes`: the first of those ranks
+    of its group over `axes` (an expert, spread over ep, is the same on the dp ranks of one ep
+    rank, and the first of those is the one at edp rank 0)."""
+    return pgm.holders(spread, axes)[0] == pgm.global_rank
 
 
 def grad_norm(pieces, pgm, axes, device=None):

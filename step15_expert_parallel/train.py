@@ -43,9 +43,10 @@ from moe import (
     apply_moe,
     check_moe,
     is_moe,
-    load_table,
+    router_stats,
     router_step,
     set_router_losses,
+    with_router,
 )
 from muon import make_optimizer
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
@@ -247,7 +248,35 @@ def build_model(ctx, config):
     if pgm.pp_size == 1:  # with stages, the first and last hold a copy each (TiedEmbeddings)
         model.tie_weights()
     model.init_weights(args.seed)
+    if is_moe(config):  # the balancing bias, zero until --expert_bias_rate moves it
+        add_expert_bias(model, device)
     return model
+
+
+def activation_shape(ctx, config):
+    """The shape of the activations between stages, known in advance: a cp rank holds seq_len /
+    cp_size tokens of each row, and with sequence parallelism a tp rank a tp_size-th of those."""
+    args, device, dtype, pgm = ctx
+    tokens = args.seq_len // pgm.cp_size // (pgm.tp_size if args.sequence_parallel else 1)
+    return (args.micro_batch_size, tokens, config.hidden_size)
+
+
+def data_parallel(ctx, wrapped, model, tied):
+    """ZeRO around the stage's forward (`wrapped`): its gradients averaged and the optimizer
+    sharded over dp x cp, the ranks with the same weights; stage 1 and 2 on step 6's buckets
+    (DataParallelZero1), stage 3 the parameters themselves (FullyShardedDataParallel)."""
+    args, device, dtype, pgm = ctx
+    axes = ("dp", "cp")
+    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
+    if args.zero_stage == 3:
+        reshard = args.reshard_after_forward == "always"
+        split = args.pp_engine in SPLIT_BACKWARD  # zero bubble: W hands each gradient over
+        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard, split)
+    else:
+        wrapped = DataParallelZero1(
+            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
+        )
+    return wrapped
 
 
 def build_optimizer(ctx, model, zero):
@@ -314,7 +343,9 @@ def train_step(ctx, state, micro_batches):
     model.sum_tied_gradients(tied)  # the tied embedding's two copies, one gradient: before clipping
     grad_norm = model.clip_grad_norm(args.grad_clip * scale, pgm, tied) / scale
     # The tp ranks' copies of the loss count once; the dp and cp ranks' shares make its mean.
-    facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size * pgm.cp_size)
+    counted, replicas = pgm.tp_rank == 0, pgm.dp_size * pgm.cp_size
+    router = router_stats(state.model, pgm)  # its statistics ride the same collective (moe.py)
+    facts = agree(total, grad_norm, counted, replicas, sums=router)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing
         unscale(optimizer, scale)
         optimizer.step()  # this rank's shard only
@@ -383,41 +414,24 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     ctx = Context(args, device, dtype, pgm)
     set_seed(args.seed)
-    config = load_config(args, config_flag(args), MODEL_TYPES)  # Mixtral: a Llama with experts
-    if is_moe(config):  # in the config, so that a checkpoint's config.json says it too
-        config.moe_router = args.moe_router
+    config = with_router(load_config(args, config_flag(args), MODEL_TYPES), args)  # Mixtral too
     # Per device: all world_size devices share the work of the step's tokens.
     flops = active_flops_per_token(config, flops_per_token(config, args.seq_len)) / pgm.world_size
     run = Run(args, device, flops, pgm, replicas=pgm.dp_size * pgm.cp_size)  # cp: same weights
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
-    if is_moe(config):  # the balancing bias, zero until --expert_bias_rate moves it
-        add_expert_bias(model, device)
     ### begin Pipeline parallelism
     # This stage's forward, chunk by chunk: evaluation and sampling use it too.
     layers = rank_chunks(config.num_hidden_layers, pgm.pp_rank, pgm.pp_size, args.pp_virtual_stages)
     stage = PipelineParallel(model, layers)
     gradients = gradient_group(pgm)  # the group the gradients travel back on
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal
-    # Known in advance; a cp rank holds seq_len / cp_size tokens of each row, and with sequence
-    # parallelism a tp rank a tp_size-th of those.
-    tokens = args.seq_len // pgm.cp_size // (pgm.tp_size if args.sequence_parallel else 1)
-    shape = (args.micro_batch_size, tokens, config.hidden_size)
+    shape = activation_shape(ctx, config)  # what the stages send each other
     ### end Pipeline parallelism
     wrapped = torch.compile(stage) if args.compile else stage
     ### begin ZeRO-1
-    # Gradients averaged and the optimizer sharded over dp x cp: the ranks with the same weights.
-    axes = ("dp", "cp")
-    timeline = NO_TIMELINE if args.dp_timeline is None else OverlapTimeline()
-    if args.zero_stage == 3:
-        reshard = args.reshard_after_forward == "always"
-        split = args.pp_engine in SPLIT_BACKWARD  # zero bubble: W hands each gradient over
-        wrapped = FullyShardedDataParallel(wrapped, model, pgm, axes, reshard, split)
-    else:
-        wrapped = DataParallelZero1(
-            wrapped, pgm, axes, args.bucket_size_mb, tied.weight, timeline, args.zero_stage
-        )
+    wrapped = data_parallel(ctx, wrapped, model, tied)  # ZeRO-1, 2 or 3 over dp x cp
     optimizer, scheduler = build_optimizer(ctx, model, wrapped)
     ### end ZeRO-1
     params = sum(p.numel() for p in model.parameters())
@@ -433,12 +447,10 @@ def main(argv=None):
         with run.communication():  # --comm_stats: what the step sends
             facts = train_step(ctx, state, batch)
         run.end(facts, state.train_loader.position * args.seq_len)
-        if is_moe(config):  # the router's losses, each layer's rows per expert, the bias moved
-            run.record.update(router_step(model, pgm, args.expert_bias_rate, facts.finite))
+        if is_moe(config):  # the bias moved; the router's losses and loads, when the step logs
+            router_step(model, pgm, args, facts, run)
         if run.should_validate():
             run.record["val_loss"] = evaluate(ctx, state)
-            if is_moe(config):  # with each validation: how evenly the experts were loaded
-                log(load_table(run.record))
         if step == run.start_step + 1:  # AdamW creates its moments at the first step
             run.record["held_bytes"] = log_held_bytes(model, optimizer, wrapped)
         run.log_step()

@@ -203,7 +203,7 @@ class DataParallelZero1(DataParallelBucket):
             alone=tied_weight,
             stage=stage,
             experts=experts,
-            expert_group=pgm.edp_cp_group,
+            expert_group=pgm.group(*pgm.axes_of(shard_axes, {"ep"}))[0],  # edp x cp
         )
         dp_group, _ = pgm.group(*shard_axes)
         super().__init__(module, dp_group, bucket_size_mb, timeline, buckets)

@@ -36,6 +36,35 @@ model_lib = import_step(S15, "model")
 hf_import = import_step(S15, "hf_import")
 
 
+pgm_lib = import_step(S15, "process_group_manager")
+
+
+@pytest.mark.parametrize("dp, ep, pp, cp, tp", [(4, 2, 1, 2, 1), (4, 4, 2, 1, 1), (6, 3, 1, 1, 2)])
+def test_the_expert_layout_is_the_dense_grid_with_dp_folded_into_edp_and_ep(dp, ep, pp, cp, tp):
+    """The expert layers' groups come from the declared EXPERT_AXES by the same `grid` and
+    `group_ranks` as the dense ones; checked against the definition, rank by rank: dp rank =
+    edp_rank * ep_size + ep_rank, the other coordinates the dense grid's. A group is the ranks
+    that share every coordinate but its axes'."""
+    world = dp * pp * cp * tp
+    sizes = (world, tp, pp, dp, cp, ep)
+    dense, expert = (pgm_lib.grid(*sizes, layout=layout) for layout in pgm_lib.LAYOUTS)
+    where = {}  # rank: its coordinates, by the definition
+    for rank in range(world):
+        d, p, c, t = (dense == rank).nonzero()[0].tolist()
+        where[rank] = {"edp": d // ep, "ep": d % ep, "pp": p, "cp": c, "tp": t}
+    for axes in [("ep",), ("edp",), ("edp", "cp"), ("ep", "pp")]:
+        got = pgm_lib.group_ranks(expert, *axes, layout=pgm_lib.EXPERT_AXES).tolist()
+        others = [axis for axis in pgm_lib.EXPERT_AXES if axis not in axes]
+        want = {}
+        for rank in range(world):
+            want.setdefault(tuple(where[rank][a] for a in others), []).append(rank)
+        assert sorted(got) == sorted(want.values()), (axes, got, want)
+    assert pgm_lib.layout_of(["edp", "cp"]) == pgm_lib.EXPERT_AXES
+    assert pgm_lib.layout_of(["dp", "cp"]) == pgm_lib.AXES
+    with pytest.raises(ValueError, match="no layout has the axes dp, ep"):
+        pgm_lib.layout_of(["dp", "ep"])
+
+
 def mixtral_config(**extra):
     return transformers.MixtralConfig(
         **{
@@ -582,15 +611,25 @@ def test_the_balancing_bias_moves_once_per_step_from_the_whole_batch(tmp_path, t
 def test_the_balancing_bias_is_training_state_not_read_from_the_log(tmp_path):
     """The bias moves on the device from the step's counts, whatever is printed: ep 2 over dp 2
     with --expert_bias_rate 0.01, the step line every step or every 10th, trains the same to the
-    bit (every loss, gradient norm and expert load of the log file)."""
+    bit (every loss and gradient norm of the log file, and the router's statistics on the steps
+    both log). The statistics reach the host only on the steps that log: steps 1-9 and 11 of the
+    second run have none."""
     [layout] = [lay for lay in convergence.step_layouts(15, 4) if lay.name == "ep2_dp2"]
     common = [*COMMON, "--expert_bias_rate", "0.01", "--max_steps", "12", "--eval_every", "0"]
     runs = {}
     for every in ("1", "10"):
         flags = [*common, "--log_every", every]
         runs[every] = convergence.run(layout, flags, tmp_path / every, env=ENV)
-    keys = ("step", "loss", "grad_norm", "expert_load", "router_loss")
+    keys = ("step", "loss", "grad_norm")
     assert [[r[k] for k in keys] for r in runs["1"]] == [[r[k] for k in keys] for r in runs["10"]]
+    logged = [r["step"] for r in runs["10"] if "expert_load" in r]
+    assert logged == [10, 12], logged
+    for step in logged:
+        every, tenth = runs["1"][step - 1], runs["10"][step - 1]
+        assert [every["expert_load"], every["router_loss"]] == [
+            tenth["expert_load"],
+            tenth["router_loss"],
+        ]
     assert runs["1"][-1]["expert_load"] != runs["1"][0]["expert_load"]
 
 
