@@ -193,6 +193,24 @@ def test_the_router_losses_reach_the_router_through_any_output():
     assert len(moe.record) == 2  # the two backwards through the layer
 
 
+def test_the_router_flags_reach_the_logged_loss(tmp_path):
+    """--aux_loss_coef and --z_loss_coef, end to end: the router loss logged at step 1 (the same
+    weights and batch in every run) is aux x the balancing loss + z x the z-loss, the formula on
+    one process. Zero with both at 0; each alone above 0; together, the weighted sum of the two
+    (so a flag that set_router_losses ignores, or reads into the other, fails)."""
+    run = [*TINY, *MOE, "--max_steps", "1", "--gradient_accumulation_steps", "2"]
+    run += ["--eval_every", "0", "--sample_tokens", "0", "--num_proc", "1"]
+    logged = {}
+    for aux, z in [(0, 0), (1, 0), (0, 1), (0.5, 0.25)]:
+        log_file = tmp_path / f"aux{aux}_z{z}.jsonl"
+        flags = ["--aux_loss_coef", str(aux), "--z_loss_coef", str(z), "--log_file", str(log_file)]
+        check(run_step(S15, [*run, *flags], env=ENV))
+        logged[aux, z] = read_log(log_file)[0]["router_loss"]
+    balance, z_loss = logged[1, 0], logged[0, 1]
+    assert logged[0, 0] == 0.0 and balance > 0 and z_loss > 0, logged
+    assert logged[0.5, 0.25] == pytest.approx(0.5 * balance + 0.25 * z_loss, rel=1e-6), logged
+
+
 def test_a_checkpoint_goes_to_transformers_and_back(tmp_path):
     """A run's checkpoint, exported, loads in MixtralForCausalLM; --init_from_hf's reader loads
     that folder into our model, and tools/sample.py the checkpoint itself: the same logits."""
