@@ -6,6 +6,7 @@ torchrun --nproc_per_node 4 step10_zero1/train.py --dp_size 4
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -21,9 +22,9 @@ from bookkeeping import (
     unscale,
     warmup_cosine,
 )
-from checkpoint import check_resume, resume, save_checkpoint
+from checkpoint import check_resume, checkpoint_bytes, resume, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import POSITIVE, add_trace_flag, load_config, make_parser, parse
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
@@ -83,7 +84,9 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
@@ -93,8 +96,6 @@ def parse_args(argv=None):
     add_init_flag(parser)
     args = parse(parser, argv, tokens_per_step)
     check_init_flag(parser, args)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     return args
 
 
@@ -278,6 +279,7 @@ def main(argv=None):
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
+    run.checkpoints.count = partial(checkpoint_bytes, model, pgm)  # each piece once
     ### begin Pipeline parallelism
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal

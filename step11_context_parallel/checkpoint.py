@@ -160,6 +160,18 @@ def save_checkpoint(ctx, state, step):
     return final
 
 
+def checkpoint_bytes(model, pgm, moments=2):
+    """The bytes of the weights and their optimizer state that this rank writes (`write_slices`):
+    each piece on the one rank that writes it, so that their sum over the ranks is the
+    checkpoint's in any layout (ZeRO's shards of the optimizer state are put together before the
+    save). `moments` per weight: AdamW's two (Muon's matrices hold one: then an upper bound)."""
+    return sum(
+        (1 + moments) * placed.param.numel() * placed.param.element_size()
+        for placed, _ in local_parameters(model)
+        if writes(pgm, placed.axes) and stored_name(placed.name, model.config) == placed.name
+    )
+
+
 def write_slices(folder, model, moments, pgm):
     """Write the pieces of the weights and of their AdamW state ({parameter: its whole state})
     that fall to this rank (`writes`); returns one index entry per piece: (section, name, full

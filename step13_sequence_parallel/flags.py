@@ -1,7 +1,9 @@
 """The command line every step shares: its flags, their checks, and the model's config.
 
-A step's train.py adds its technique's flags to the group it gets back from `make_parser` and
-checks them itself; everything here is the same in every step from step 3 on.
+Each numeric flag declares its domain with it, as its type (`type=COUNT`); `check_flags` checks
+every flag against its domain, and against the flags it needs, before anything runs. A step's
+train.py adds its technique's flags, declared the same way, to the group it gets back from
+`make_parser`; everything here is the same in every step from step 3 on.
 
 A run file (`--config run.yaml`, or JSON) holds flags as keys, `seq_len: 512`; the command line
 overrides it. Every run writes its flags as resolved into run.yaml beside its checkpoints and its
@@ -10,15 +12,63 @@ log (bookkeeping), so that `--config` of that file repeats the run.
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+import huggingface_hub.errors
 import yaml
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
-from utils import ArgumentParser, check_output_path
+from utils import ArgumentParser, check_output_path, log
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+class Domain:
+    """The values a number may take: a flag's, declared with it as its type (`type=COUNT`), or a
+    config field's. argparse calls it to read the flag's word, so that a word that is not a number
+    is refused there, naming the flag; `refusal` says what is wrong with a value. `least` or
+    `above` bound it from below, `most` from above; a float must be finite, and `limit` is what
+    the libraries that take the value can hold (for an int, by default, 64 bits)."""
+
+    def __init__(self, kind, least=None, above=None, most=None, limit=None):
+        self.kind, self.least, self.above, self.most = kind, least, above, most
+        self.limit = 2**63 - 1 if limit is None and kind is int else limit
+        self.__name__ = kind.__name__  # argparse's "invalid int value: 'abc'"
+
+    def __call__(self, text):
+        return self.kind(text)
+
+    def refusal(self, value):
+        """What is wrong with `value` ("must be at least 1"), or None where the domain holds it."""
+        kinds = (int, float) if self.kind is float else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"must be of type {self.kind.__name__}"
+        if not math.isfinite(value):
+            return "must be finite"
+        below = (self.least is not None and value < self.least) or (
+            self.above is not None and value <= self.above
+        )
+        if below or (self.most is not None and value > self.most):
+            return f"must be {self.range()}"
+        if self.limit is not None and abs(value) > self.limit:
+            return (
+                f"must be at most {self.limit}" if value > 0 else f"must be at least {-self.limit}"
+            )
+        return None
+
+    def range(self):
+        """The domain in words: "at least 1", "above 0 and at most 1"."""
+        words = [f"above {self.above}"] if self.above is not None else []
+        if self.least is not None:
+            words = ["0 or more" if self.least == 0 else f"at least {self.least}"]
+        return " and ".join([*words, *([f"at most {self.most}"] if self.most is not None else [])])
+
+
+COUNT = Domain(int, least=1)  # how many: steps, rows, ranks
+POSITIVE = Domain(float, above=0)  # a rate, a size, a time
+NON_NEGATIVE = Domain(float, least=0)  # a coefficient, which 0 turns off
 # Config fields a flag may override, for a smaller or larger model of the same family.
 OVERRIDES = [
     "num_hidden_layers",
@@ -27,21 +77,20 @@ OVERRIDES = [
     "num_attention_heads",
     "num_key_value_heads",
 ]
-# Checked by `parse`: counts must be at least 1, rates above 0, the rest 0 or more.
-AT_LEAST_ONE = [
-    "seq_len",
-    "micro_batch_size",
-    "gradient_accumulation_steps",
-    "max_steps",
-    "log_every",
-    "eval_steps",
-    "save_every",
-    "num_proc",
-    "max_nonfinite_skips",
-]
-ABOVE_ZERO = ["learning_rate", "muon_learning_rate", "grad_clip", "dist_timeout_s"]
-ZERO_OR_MORE = ["weight_decay", "warmup_steps", "eval_every", "sample_tokens"]
-ZERO_OR_MORE += ["early_stopping_patience"]
+# A flag given without the one it needs: what the refusal says.
+NEEDS = {
+    "save_every": ("save_dir", "--save_every needs --save_dir, the folder to save to"),
+    "keep_last": ("save_dir", "--keep_last needs --save_dir, the folder it keeps checkpoints in"),
+    "save_dynamics": (
+        "save_dir",
+        "--save_dynamics needs --save_dir: it captures the checkpoints saved there",
+    ),
+    "resume": ("save_dir", "--resume needs --save_dir, the folder to resume from"),
+    "early_stopping_patience": (
+        "eval_every",
+        "--early_stopping_patience counts validations: it needs --eval_every above 0",
+    ),
+}
 
 
 def make_parser(description):
@@ -54,14 +103,14 @@ def make_parser(description):
         help="a config in assets/configs (tiny, smollm-135m, ...), a local directory or a hub id",
     )
     for name in OVERRIDES:
-        model.add_argument(f"--{name}", type=int, help="override the config's value")
+        model.add_argument(f"--{name}", type=COUNT, help="override the config's value")
     train = parser.add_argument_group("training")
-    train.add_argument("--seq_len", type=int, default=256)
-    train.add_argument("--micro_batch_size", type=int, default=4)
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--max_steps", type=int, default=250)
-    train.add_argument("--learning_rate", type=float, default=3e-3)
-    train.add_argument("--warmup_steps", type=int, default=10)
+    train.add_argument("--seq_len", type=COUNT, default=256)
+    train.add_argument("--micro_batch_size", type=COUNT, default=4)
+    train.add_argument("--gradient_accumulation_steps", type=COUNT, default=1)
+    train.add_argument("--max_steps", type=COUNT, default=250)
+    train.add_argument("--learning_rate", type=POSITIVE, default=3e-3)
+    train.add_argument("--warmup_steps", type=Domain(int, least=0), default=10)
     train.add_argument(
         "--lr_schedule",
         choices=["cosine", "wsd"],
@@ -70,9 +119,12 @@ def make_parser(description):
         "(flat, then linear over the last --decay_fraction of the steps)",
     )
     train.add_argument(
-        "--decay_fraction", type=float, default=0.2, help="wsd: the steps that decay, a fraction"
+        "--decay_fraction",
+        type=Domain(float, above=0, most=1),
+        default=0.2,
+        help="wsd: the steps that decay, a fraction",
     )
-    train.add_argument("--weight_decay", type=float, default=0.1)
+    train.add_argument("--weight_decay", type=NON_NEGATIVE, default=0.1)
     train.add_argument(
         "--optimizer",
         choices=["adamw", "muon"],
@@ -81,12 +133,13 @@ def make_parser(description):
     )
     train.add_argument(
         "--muon_learning_rate",
-        type=float,
+        type=POSITIVE,
         default=0.02,
         help="--optimizer muon: the matrices' rate (--learning_rate is the rest's)",
     )
-    train.add_argument("--grad_clip", type=float, default=1.0)
-    train.add_argument("--seed", type=int, default=42)
+    train.add_argument("--grad_clip", type=POSITIVE, default=1.0)
+    # numpy takes seeds of 32 bits
+    train.add_argument("--seed", type=Domain(int, least=0, most=2**32 - 1), default=42)
     train.add_argument(
         "--on_nonfinite",
         choices=["stop", "skip"],
@@ -96,7 +149,7 @@ def make_parser(description):
     )
     train.add_argument(
         "--max_nonfinite_skips",
-        type=int,
+        type=COUNT,
         default=3,
         help="with skip: stop after this many in a row",
     )
@@ -108,18 +161,18 @@ def make_parser(description):
         help="autocast dtype: auto, float32, bfloat16, float16 (with dynamic loss scaling)",
     )
     system.add_argument("--compile", action="store_true", help="torch.compile the model")
-    system.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU")
-    system.add_argument("--log_every", type=int, default=1)
+    system.add_argument("--peak_tflops", type=POSITIVE, help="the device's peak, for MFU")
+    system.add_argument("--log_every", type=COUNT, default=1)
     system.add_argument(
         "--dist_timeout_s",
-        type=float,
+        type=Domain(float, above=0, limit=10**9),  # timedelta and gloo overflow far above
         default=600,
         help="seconds a collective may wait for the other ranks before the job stops",
     )
     parallel = parser.add_argument_group("parallelism (the sizes multiply to the world size)")
-    parallel.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks")
-    parallel.add_argument("--dp_size", type=int, default=1, help="data-parallel ranks")
-    parallel.add_argument("--pp_size", type=int, default=1, help="pipeline stages")
+    parallel.add_argument("--tp_size", type=COUNT, default=1, help="tensor-parallel ranks")
+    parallel.add_argument("--dp_size", type=COUNT, default=1, help="data-parallel ranks")
+    parallel.add_argument("--pp_size", type=COUNT, default=1, help="pipeline stages")
     parallel.add_argument(
         "--comm_stats", action="store_true", help="log what the first step sends, by group and kind"
     )
@@ -131,29 +184,31 @@ def make_parser(description):
         action="store_true",
         help="read --dataset_name as a stream, tokenised as it is served, in its own order",
     )
-    data.add_argument("--max_tokens", type=int, help="stop after this many training tokens")
+    data.add_argument("--max_tokens", type=COUNT, help="stop after this many training tokens")
     data.add_argument(
         "--num_proc",
-        type=int,
+        type=COUNT,
         default=2,
         help="processes for tokenising (the rows do not depend on it)",
     )
-    data.add_argument("--eval_every", type=int, default=50, help="validation every N steps")
-    data.add_argument("--eval_steps", type=int, default=4, help="validation micro-batches")
+    data.add_argument(
+        "--eval_every", type=Domain(int, least=0), default=50, help="validation every N steps"
+    )
+    data.add_argument("--eval_steps", type=COUNT, default=4, help="validation micro-batches")
     data.add_argument(
         "--early_stopping_patience",
-        type=int,
+        type=Domain(int, least=0),
         default=0,
         help="stop (and save) when the validation loss has not improved for this many "
         "validations in a row (0: never)",
     )
     data.add_argument("--sample_prompt", default="Once upon a time")
-    data.add_argument("--sample_tokens", type=int, default=60)
+    data.add_argument("--sample_tokens", type=Domain(int, least=0), default=60)
     run = parser.add_argument_group("checkpoints and logging")
     run.add_argument("--save_dir", help="write checkpoints here (none if not given)")
-    run.add_argument("--save_every", type=int, help="every N steps (100), and always at the end")
+    run.add_argument("--save_every", type=COUNT, help="every N steps (100), and always at the end")
     run.add_argument("--resume", action="store_true", help="continue from save_dir's latest")
-    run.add_argument("--keep_last", type=int, help="keep only the newest N checkpoints (all)")
+    run.add_argument("--keep_last", type=COUNT, help="keep only the newest N checkpoints (all)")
     run.add_argument(
         "--low_disk",
         choices=["stop", "skip_save"],
@@ -197,33 +252,8 @@ def parse(parser, argv, tokens_per_step):
         for a in parser._actions
         if a.option_strings and a.dest not in ("help", "config", "resume")
     }
-    if args.save_every is not None and not args.save_dir:
-        parser.error("--save_every needs --save_dir, the folder to save to")
+    check_flags(parser, args)
     args.save_every = 100 if args.save_every is None else args.save_every
-    given = [name for name in [*OVERRIDES, "keep_last"] if getattr(args, name) is not None]
-    for name in AT_LEAST_ONE + given:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    for name in ABOVE_ZERO:
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name} must be above 0, got {getattr(args, name)}")
-        if getattr(args, name) == float("inf"):
-            parser.error(f"--{name} must be finite, got {getattr(args, name)}")
-    for name in ZERO_OR_MORE:
-        if not getattr(args, name) >= 0:
-            parser.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
-    if not 0 < args.decay_fraction <= 1:
-        parser.error(f"--decay_fraction must be above 0 and at most 1, got {args.decay_fraction}")
-    if args.early_stopping_patience and not args.eval_every:
-        parser.error("--early_stopping_patience counts validations: it needs --eval_every above 0")
-    if args.profile and args.max_steps < 3:
-        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
-    if args.keep_last is not None and not args.save_dir:
-        parser.error("--keep_last needs --save_dir, the folder it keeps checkpoints in")
-    if args.save_dynamics and not args.save_dir:
-        parser.error("--save_dynamics needs --save_dir: it captures the checkpoints saved there")
-    if args.resume and not args.save_dir:
-        parser.error("--resume needs --save_dir, the folder to resume from")
     for flag in [a.option_strings[0] for a in parser._actions if a.metavar == "TRACE_JSON"]:
         name = flag.lstrip("-")
         if getattr(args, name) == "" and args.save_dir:
@@ -243,6 +273,22 @@ def parse(parser, argv, tokens_per_step):
             )
         args.max_steps = min(args.max_steps, args.max_tokens // args.tokens_per_step)
     return args
+
+
+def check_flags(parser, args):
+    """Refuse, naming the flag and its value, a value outside its flag's domain (None: a flag
+    not given), then a flag given without the one it needs; the step's flags too."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if isinstance(action.type, Domain) and value is not None:
+            why = action.type.refusal(value)
+            if why:
+                parser.error(f"{action.option_strings[0]} {why}, got {value}")
+    for name, (needed, message) in NEEDS.items():
+        if getattr(args, name) and not getattr(args, needed):
+            parser.error(message)
+    if args.profile and args.max_steps < 3:
+        parser.error(f"--profile records steps 3 to 5; --max_steps {args.max_steps} stops before")
 
 
 def with_run_file(parser, argv):
@@ -294,7 +340,81 @@ def as_flags(parser, where, action, value):
         parser.error(f"{where} must be of type {action.type.__name__}, got {value!r}")
     if action.choices and typed not in action.choices:
         parser.error(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    if isinstance(action.type, Domain) and action.type.refusal(typed):
+        parser.error(f"{where} {action.type.refusal(typed)}, got {value!r}")
     return [f"{flag}={text}"]  # with "=": a value that starts with "-" is not read as a flag
+
+
+# Every field of transformers' LlamaConfig and MixtralConfig (and the names transformers 4 gave
+# some), in one of three lists; tests/test_config_fields.py holds them to the installed
+# transformers. A config's fields are checked against them when it is read (`check_config`).
+# Computed here as transformers computes them (model.py, and Mixtral's experts where a step
+# trains them), each with its domain: a Domain, the values it takes, or None where another
+# check names the values (model.check_config: RoPE's types, the pad token's range).
+IMPLEMENTED = {
+    "model_type": None,  # `load_config`: the families the step trains
+    "vocab_size": COUNT,
+    "hidden_size": COUNT,
+    "intermediate_size": COUNT,
+    "num_hidden_layers": COUNT,
+    "num_attention_heads": COUNT,
+    "num_key_value_heads": COUNT,
+    "head_dim": COUNT,  # null: hidden_size / num_attention_heads
+    "max_position_embeddings": COUNT,  # a longer --seq_len is refused
+    "rms_norm_eps": POSITIVE,
+    "initializer_range": NON_NEGATIVE,  # the initial weights' standard deviation
+    "tie_word_embeddings": (True, False),
+    "pad_token_id": None,  # null, or a token of the vocabulary
+    "rope_parameters": None,  # rope_type default, linear or llama3
+    "rope_scaling": None,  # transformers 4's name of rope_parameters, without rope_theta
+    "rope_theta": POSITIVE,  # transformers 4's
+    "num_local_experts": COUNT,  # Mixtral's experts per layer
+    "num_experts_per_tok": COUNT,  # up to num_local_experts: checked with the experts
+    "router_aux_loss_coef": NON_NEGATIVE,  # the balancing loss's default coefficient
+}
+# Read by nothing that computes the model, here or in transformers, or read only by what this
+# trainer does not do: why each is harmless to ignore.
+HARMLESS = {
+    "_name_or_path": "where transformers read the config from",
+    "transformers_version": "the version that wrote the file",
+    "architectures": "the class names transformers would build; model_type names the family",
+    "dtype": "the dtype the weights were stored in; --dtype sets autocast, weights train in fp32",
+    "torch_dtype": "transformers 4's dtype",
+    "use_cache": "generation's KV cache in transformers; the sampling here always caches",
+    "bos_token_id": "the tokenizer's; the data's documents end with its end-of-text token",
+    "eos_token_id": "the tokenizer's, as bos_token_id",
+    "output_attentions": "what transformers' forward returns, not what it computes",
+    "output_hidden_states": "what transformers' forward returns, not what it computes",
+    "return_dict": "what transformers' forward returns, not what it computes",
+    "output_router_logits": "whether transformers' forward returns the router's logits (and adds "
+    "their balancing loss); here the trainer's own flag decides the loss",
+    "chunk_size_feed_forward": "read by neither Llama nor Mixtral",
+    "is_encoder_decoder": "generation's setting; Llama and Mixtral are decoders whatever it says",
+    "id2label": "the labels of a classification head, which a causal LM has not",
+    "label2id": "the labels of a classification head, which a causal LM has not",
+    "problem_type": "the loss of a classification head, which a causal LM has not",
+    "pretraining_tp": "transformers 5 ignores it; in 4 it cut the same products into slices",
+    "is_llama_config": "nanotron's mark (SmolLM2's config.json) of a config for transformers",
+}
+# Fields that change the model unless they hold one of these values, which is what the model
+# here computes: refused otherwise, naming the field and its value.
+REFUSED = {
+    "hidden_act": (("silu", "swish"), "the MLP here is SwiGLU"),
+    "attention_bias": ((False,), "no linear layer here has a bias"),
+    "mlp_bias": ((False,), "no linear layer here has a bias"),
+    "attention_dropout": ((0.0,), "the model has no dropout"),
+    "is_causal": ((True,), "attention is causal"),
+    "partial_rotary_factor": ((1.0,), "Llama rotates the whole head"),
+    "sliding_window": ((None,), "attention here sees every earlier token, not a window of them"),
+    "router_jitter_noise": ((0.0,), "the router draws no random numbers here"),
+    "rope_interleaved": ((False,), "RoPE here turns the two halves of a head, not neighbours"),
+}
+# transformers 5 checks each field's type itself (huggingface_hub's strict dataclasses).
+CONFIG_ERRORS = (
+    OSError,
+    ValueError,
+    getattr(huggingface_hub.errors, "StrictDataclassError", OSError),
+)
 
 
 def load_config(args, flag="--model_name", model_types=("llama",)):
@@ -303,22 +423,14 @@ def load_config(args, flag="--model_name", model_types=("llama",)):
     given = name = getattr(args, flag.lstrip("-"))
     if (ASSETS / "configs" / name).is_dir():
         name = str(ASSETS / "configs" / name)
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as error:  # ValueError: a folder without a config.json
-        where = (
-            "the folder has no valid config.json"
-            if Path(name).is_dir()
-            else "no such local directory, and the Hugging Face hub could not be reached or "
-            "has no such model. The offline default is --model_name tiny; assets/configs holds "
-            "the others"
-        )
-        raise ValueError(
-            f"{flag} {given}: could not load the model config: {where}.\n{error}"
-        ) from error
+    where = f"{flag} {given}"
+    fields = read_config(PretrainedConfig.get_config_dict, name, where)[0]  # as the file says
+    if fields.get("model_type", model_types[0]) in model_types:  # not another family's fields
+        check_config(fields, where)  # before transformers' checks, which need not name the field
+    config = read_config(AutoConfig.from_pretrained, name, where)
     if config.model_type not in model_types:
         raise ValueError(
-            f"{flag} {given} is a {config.model_type!r} model; this step trains "
+            f"{where} is a {config.model_type!r} model; this step trains "
             f"{' and '.join(model_types)} models"
         )
     for key in OVERRIDES:
@@ -343,3 +455,41 @@ def load_config(args, flag="--model_name", model_types=("llama",)):
             f"max_position_embeddings={config.max_position_embeddings}"
         )
     return config
+
+
+def read_config(read, name, where):
+    """`read(name)`; a config that cannot be read is refused, saying what is missing."""
+    try:
+        return read(name)
+    except CONFIG_ERRORS as error:  # ValueError: a folder without a config.json
+        why = (
+            "the folder has no valid config.json"
+            if Path(name).is_dir()
+            else "no such local directory, and the Hugging Face hub could not be reached or "
+            "has no such model. The offline default is --model_name tiny; assets/configs holds "
+            "the others"
+        )
+        raise ValueError(f"{where}: could not load the model config: {why}.\n{error}") from error
+
+
+def check_config(fields, where):
+    """Refuse, naming the field and its value, a config field that is IMPLEMENTED with a value
+    outside its domain or REFUSED with a value that changes the model; name in one line the
+    fields that no list holds, which transformers' Llama and Mixtral do not read either."""
+    for field, value in fields.items():
+        domain = IMPLEMENTED.get(field)
+        if isinstance(domain, Domain) and value is not None and domain.refusal(value):
+            raise ValueError(f"{where}: {field}={value!r} {domain.refusal(value)}")
+        if isinstance(domain, tuple) and value not in domain:
+            raise ValueError(f"{where}: {field}={value!r} must be one of {domain}")
+        if field in REFUSED and value not in REFUSED[field][0]:
+            only = " or ".join(f"{field}={v!r}" for v in REFUSED[field][0])
+            raise ValueError(
+                f"{where}: {field}={value!r} is not supported: {REFUSED[field][1]}; only {only} is"
+            )
+    unknown = sorted(set(fields) - set(IMPLEMENTED) - set(HARMLESS) - set(REFUSED))
+    if unknown:
+        log(
+            f"{where}: ignoring config fields that neither this model nor transformers' reads: "
+            f"{', '.join(unknown)}"
+        )

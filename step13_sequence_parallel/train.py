@@ -8,6 +8,7 @@ torchrun --nproc_per_node 2 step13_sequence_parallel/train.py --tp_size 2 --sequ
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -23,10 +24,10 @@ from bookkeeping import (
     unscale,
     warmup_cosine,
 )
-from checkpoint import check_resume, resume, save_checkpoint
+from checkpoint import check_resume, checkpoint_bytes, resume, save_checkpoint
 from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_data
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import COUNT, POSITIVE, add_trace_flag, load_config, make_parser, parse
 from fully_sharded import (
     FullyShardedDataParallel,
     check_zero_stage,
@@ -98,7 +99,9 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
@@ -106,7 +109,7 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_engine", choices=["afab", "1f1b"], default="afab", help="schedule")
     add_trace_flag(parallel, "--pp_timeline", "print each stage's schedule, step by step")
     add_init_flag(parser)
-    parallel.add_argument("--cp_size", type=int, default=1, help="context-parallel ranks")
+    parallel.add_argument("--cp_size", type=COUNT, default=1, help="context-parallel ranks")
     ### begin ZeRO-2 and ZeRO-3
     parallel.add_argument(
         "--zero_stage", type=int, choices=[1, 2, 3], default=1,
@@ -131,11 +134,9 @@ def parse_args(argv=None):
     )  # fmt: skip
     ### end Activation memory
     args = parse(parser, argv, tokens_per_step)
-    if args.cp_size > 1:  # below 1: check_sizes refuses it
+    if args.cp_size > 1:  # below 1: parse refuses it
         check_context_parallel(args.seq_len, args.cp_size)
     check_init_flag(parser, args)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     check_zero_stage(parser, args)
     check_sequence_parallel(parser, args)
     check_recompute(parser, args)
@@ -359,6 +360,7 @@ def main(argv=None):
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
+    run.checkpoints.count = partial(checkpoint_bytes, model, pgm)  # each piece once
     ### begin Pipeline parallelism
     stage = PipelineParallel(model)  # this stage's forward: evaluation and sampling use it too
     tied = TiedEmbeddings(model, pgm)  # with tie_word_embeddings: the last stage's copy made equal

@@ -7,6 +7,7 @@ torchrun --nproc_per_node 2 step14_pipeline_schedules/train.py --pp_size 2 --pp_
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -22,10 +23,10 @@ from bookkeeping import (
     unscale,
     warmup_cosine,
 )
-from checkpoint import check_resume, resume, save_checkpoint
+from checkpoint import check_resume, checkpoint_bytes, resume, save_checkpoint
 from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_data
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import COUNT, POSITIVE, add_trace_flag, load_config, make_parser, parse
 from fully_sharded import (
     FullyShardedDataParallel,
     check_zero_stage,
@@ -104,7 +105,9 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
@@ -112,13 +115,13 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_engine", choices=list(SCHEDULES), default="afab", help="schedule")
     ### begin Interleaved 1F1B
     parallel.add_argument(
-        "--pp_virtual_stages", type=int, default=1,
+        "--pp_virtual_stages", type=COUNT, default=1,
         help="chunks of layers per pipeline rank (--pp_engine interleaved)",
     )  # fmt: skip
     ### end Interleaved 1F1B
     add_trace_flag(parallel, "--pp_timeline", "print each stage's schedule, step by step")
     add_init_flag(parser)
-    parallel.add_argument("--cp_size", type=int, default=1, help="context-parallel ranks")
+    parallel.add_argument("--cp_size", type=COUNT, default=1, help="context-parallel ranks")
     ### begin ZeRO-2 and ZeRO-3
     parallel.add_argument(
         "--zero_stage", type=int, choices=[1, 2, 3], default=1,
@@ -143,11 +146,9 @@ def parse_args(argv=None):
     )  # fmt: skip
     ### end Activation memory
     args = parse(parser, argv, tokens_per_step)
-    if args.cp_size > 1:  # below 1: check_sizes refuses it
+    if args.cp_size > 1:  # below 1: parse refuses it
         check_context_parallel(args.seq_len, args.cp_size)
     check_init_flag(parser, args)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     check_zero_stage(parser, args)
     check_sequence_parallel(parser, args)
     check_schedule(parser, args)
@@ -377,6 +378,7 @@ def main(argv=None):
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
+    run.checkpoints.count = partial(checkpoint_bytes, model, pgm)  # each piece once
     ### begin Pipeline parallelism
     # This stage's forward, chunk by chunk: evaluation and sampling use it too.
     layers = rank_chunks(config.num_hidden_layers, pgm.pp_rank, pgm.pp_size, args.pp_virtual_stages)

@@ -165,6 +165,24 @@ def save_checkpoint(ctx, state, step):
     return final
 
 
+def checkpoint_bytes(model, pgm, moments=2):
+    """The bytes of the weights and their optimizer state that this rank writes (`write_slices`):
+    each piece on the one rank that writes it, so their sum over the ranks is the checkpoint's,
+    whatever the layout (an expert, held once per ep rank, counts once per ep rank). `moments`
+    per weight: AdamW's two (Muon's matrices hold one: then an upper bound)."""
+    return sum(
+        (1 + moments) * placed.param.numel() * placed.param.element_size()
+        for placed, _ in local_parameters(model)
+        if writes(pgm, placed.axes) and not tied_copy(placed, model.config)
+    )
+
+
+def tied_copy(placed, config):
+    """Whether `placed` is the tied lm_head's copy on the last stage, which the first stage's
+    embedding stores."""
+    return placed.name != EMBED and stored_name(placed.name, config) == EMBED
+
+
 def write_slices(folder, model, moments, pgm):
     """Write the pieces of the weights and of their AdamW state ({parameter: its whole state})
     that fall to this rank (`writes`); returns one index entry per piece: (section, name, full
@@ -179,8 +197,8 @@ def write_slices(folder, model, moments, pgm):
 
     for placed, start in local_parameters(model):
         name, shape = stored_name(placed.name, model.config), placed.shape
-        if name == EMBED and placed.name != EMBED:
-            continue  # the tied copy on the last stage: the first stage stores the embedding
+        if tied_copy(placed, model.config):
+            continue
         state = moments[placed.param]
         if writes(pgm, placed.axes):  # of the ranks that hold this piece, the one that writes it
             add("model", name, placed.param, shape, start)

@@ -82,11 +82,15 @@ def exchange(group, moe, rows, counts):
     send = counts.view(ep, local)  # (ep, E/ep)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    out_rows, in_rows = send.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+    # The split sizes, read on the host once (all_to_all_single and split take lists): the one
+    # wait on the device that the exchange adds, per layer and micro-batch.
+    sizes = torch.cat([send.sum(dim=1), received.sum(dim=1), received.sum(dim=0)]).tolist()
+    out_rows, in_rows, per_expert = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
     arrived = AllToAll.apply(rows, in_rows, out_rows, group)  # by rank, then by expert
     expert = torch.arange(local, device=rows.device).repeat(ep)  # (ep E/ep,)
-    by_expert = expert.repeat_interleave(received.view(-1)).argsort(stable=True)
-    out = run_experts(moe.experts, arrived[by_expert], received.sum(dim=0).tolist())
+    slots = expert.repeat_interleave(received.view(-1), output_size=sum(in_rows))
+    by_expert = slots.argsort(stable=True)
+    out = run_experts(moe.experts, arrived[by_expert], per_expert)
     out = out[by_expert.argsort()]  # back by rank
     return AllToAll.apply(out, out_rows, in_rows, group)  # (N k, D), in the order they left
 

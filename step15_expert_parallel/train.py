@@ -7,6 +7,7 @@ torchrun --nproc_per_node 2 step15_expert_parallel/train.py --model_name tiny-mo
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -22,11 +23,11 @@ from bookkeeping import (
     unscale,
     warmup_cosine,
 )
-from checkpoint import check_resume, resume, save_checkpoint
+from checkpoint import check_resume, checkpoint_bytes, resume, save_checkpoint
 from context_parallel import apply_context_parallel, check_context_parallel, whole_sequence
 from dataloader import MicroBatchDataLoader, load_data
 from expert_parallel import apply_expert_parallel, check_expert_parallel
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import COUNT, NON_NEGATIVE, POSITIVE, add_trace_flag, load_config, make_parser, parse
 from fully_sharded import (
     FullyShardedDataParallel,
     check_zero_stage,
@@ -117,7 +118,9 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
@@ -125,13 +128,13 @@ def parse_args(argv=None):
     parallel.add_argument("--pp_engine", choices=list(SCHEDULES), default="afab", help="schedule")
     ### begin Interleaved 1F1B
     parallel.add_argument(
-        "--pp_virtual_stages", type=int, default=1,
+        "--pp_virtual_stages", type=COUNT, default=1,
         help="chunks of layers per pipeline rank (--pp_engine interleaved)",
     )  # fmt: skip
     ### end Interleaved 1F1B
     add_trace_flag(parallel, "--pp_timeline", "print each stage's schedule, step by step")
     add_init_flag(parser)
-    parallel.add_argument("--cp_size", type=int, default=1, help="context-parallel ranks")
+    parallel.add_argument("--cp_size", type=COUNT, default=1, help="context-parallel ranks")
     ### begin ZeRO-2 and ZeRO-3
     parallel.add_argument(
         "--zero_stage", type=int, choices=[1, 2, 3], default=1,
@@ -156,35 +159,33 @@ def parse_args(argv=None):
     )  # fmt: skip
     ### end Activation memory
     ### begin Expert parallelism
-    parallel.add_argument("--ep_size", type=int, default=1, help="expert-parallel ranks, of dp's")
+    parallel.add_argument("--ep_size", type=COUNT, default=1, help="expert-parallel ranks, of dp's")
     parser.add_argument(
-        "--aux_loss_coef", type=float, default=None,
+        "--aux_loss_coef", type=NON_NEGATIVE, default=None,
         help="load-balancing loss coefficient (default: the config's router_aux_loss_coef)",
     )  # fmt: skip
-    parser.add_argument("--z_loss_coef", type=float, default=0.0, help="router z-loss coefficient")
+    parser.add_argument(
+        "--z_loss_coef", type=NON_NEGATIVE, default=0.0, help="router z-loss coefficient"
+    )
     parser.add_argument(
         "--moe_router", choices=["mixtral", "llama4"], default="mixtral",
         help="Mixtral's softmax router, or Llama 4's: sigmoid scores that scale each expert's "
         "input, and a shared expert for every token",
     )  # fmt: skip
     parser.add_argument(
-        "--expert_bias_rate", type=float, default=0.0,
+        "--expert_bias_rate", type=NON_NEGATIVE, default=0.0,
         help="loss-free balancing: how far each expert's routing bias moves per step (0: off)",
     )  # fmt: skip
     ### end Expert parallelism
     args = parse(parser, argv, tokens_per_step)
-    if args.cp_size > 1:  # below 1: check_sizes refuses it
+    if args.cp_size > 1:  # below 1: parse refuses it
         check_context_parallel(args.seq_len, args.cp_size)
     check_init_flag(parser, args)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     check_zero_stage(parser, args)
     check_sequence_parallel(parser, args)
     check_schedule(parser, args)
     check_recompute(parser, args)
     check_expert_parallel(parser, args)
-    if args.expert_bias_rate < 0:
-        parser.error(f"--expert_bias_rate must be 0 or more, got {args.expert_bias_rate}")
     return args
 
 
@@ -417,10 +418,11 @@ def main(argv=None):
     config = with_router(load_config(args, config_flag(args), MODEL_TYPES), args)  # Mixtral too
     # Per device: all world_size devices share the work of the step's tokens.
     flops = active_flops_per_token(config, flops_per_token(config, args.seq_len)) / pgm.world_size
-    run = Run(args, device, flops, pgm, replicas=pgm.dp_size * pgm.cp_size)  # cp: same weights
+    run = Run(args, device, flops, pgm)
     checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
+    run.checkpoints.count = partial(checkpoint_bytes, model, pgm)  # each piece once, experts too
     ### begin Pipeline parallelism
     # This stage's forward, chunk by chunk: evaluation and sampling use it too.
     layers = rank_chunks(config.num_hidden_layers, pgm.pp_rank, pgm.pp_size, args.pp_virtual_stages)

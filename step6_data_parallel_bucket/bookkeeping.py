@@ -420,10 +420,12 @@ class Checkpoints:
     """Which checkpoints are written and kept: one every --save_every steps, at the last step and
     after SIGTERM; none begun on a disk it would not fit (--low_disk); the newest --keep_last;
     each captured with --save_dynamics. `replicas`: how many ranks hold the same weights, which a
-    checkpoint saves once."""
+    checkpoint saves once. `count`: where the step counts them, a function that gives the bytes
+    this rank writes into a checkpoint, each piece counted on one rank."""
 
     def __init__(self, args, device, replicas):
         self.args, self.device, self.replicas = args, device, replicas
+        self.count = None
         self.dynamics = Dynamics(args)
 
     def due(self, step, last, stopped):
@@ -446,13 +448,17 @@ class Checkpoints:
 
     def disk_holds_one(self, step, optimizer):
         """Whether the disk of save_dir holds one more checkpoint: the size of the last one, or
-        before the first, an estimate from this rank's parameters and optimizer state (summed
-        over the ranks, less the replicas' copies). All ranks agree. With --low_disk stop a
+        before the first, the bytes each rank writes (`count`) summed over the ranks, else an
+        estimate from this rank's parameters and optimizer state (summed over the ranks, less
+        the replicas' copies). All ranks agree. With --low_disk stop a
         checkpoint that would not fit stops the run; with skip_save the run trains on."""
         args, latest = self.args, latest_checkpoint(self.args.save_dir)
         if latest is not None and latest.is_dir():
             needed = torch.tensor(float(folder_bytes(latest)), device=self.device)
             dist.all_reduce(needed, op=dist.ReduceOp.MAX)
+        elif self.count is not None:
+            needed = torch.tensor(float(self.count()), device=self.device)
+            dist.all_reduce(needed)
         else:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             state = [t for s in optimizer.state.values() for t in s.values()]

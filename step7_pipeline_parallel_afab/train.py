@@ -25,7 +25,7 @@ from bookkeeping import (
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import POSITIVE, add_trace_flag, load_config, make_parser, parse
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
 from muon import make_optimizer
@@ -85,17 +85,16 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
     ### end Bucketed data parallelism
     parallel.add_argument("--pp_engine", choices=["afab"], default="afab", help="pipeline schedule")
     add_trace_flag(parallel, "--pp_timeline", "print each stage's schedule, step by step")
-    args = parse(parser, argv, tokens_per_step)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
-    return args
+    return parse(parser, argv, tokens_per_step)
 
 
 def tokens_per_step(args):

@@ -25,7 +25,7 @@ from bookkeeping import (
 from checkpoint import check_resume, resume, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
-from flags import add_trace_flag, load_config, make_parser, parse
+from flags import POSITIVE, add_trace_flag, load_config, make_parser, parse
 from hf_import import add_init_flag, check_init_flag, config_flag, init_from_hf
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
@@ -86,7 +86,9 @@ class State:
 def parse_args(argv=None):
     parser, parallel = make_parser(__doc__.split("\n")[0])
     ### begin Bucketed data parallelism
-    parallel.add_argument("--bucket_size_mb", type=float, default=25, help="gradient bucket, MiB")
+    parallel.add_argument(
+        "--bucket_size_mb", type=POSITIVE, default=25, help="gradient bucket, MiB"
+    )
     add_trace_flag(
         parallel, "--dp_timeline", "log how the buckets' all-reduces overlapped backward"
     )
@@ -96,8 +98,6 @@ def parse_args(argv=None):
     add_init_flag(parser)
     args = parse(parser, argv, tokens_per_step)
     check_init_flag(parser, args)
-    if not args.bucket_size_mb > 0:
-        parser.error(f"--bucket_size_mb must be above 0, got {args.bucket_size_mb}")
     return args
 
 

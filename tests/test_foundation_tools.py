@@ -181,6 +181,26 @@ def test_the_grid_picture_has_the_managers_groups(dp, pp, cp, tp):
             assert members == list(range(grid.numel())), (step, axis)
 
 
+@pytest.mark.parametrize("dp, pp, cp, tp, ep", [(4, 1, 2, 1, 2), (4, 2, 1, 1, 4), (6, 1, 1, 2, 3)])
+def test_the_grid_picture_has_the_expert_layouts_groups(dp, pp, cp, tp, ep):
+    """--ep: the expert layers' groups the picture lists are those step 15's manager makes from
+    its second layout (EXPERT_AXES), rank by rank, and they partition the world."""
+    grid, groups = grid_tool.layout(dp, pp, cp, tp, ep)
+    module = import_step("step15_expert_parallel", "process_group_manager")
+    for rank in range(grid.numel()):
+        module.dist = FakeDist(rank, grid.numel())
+        pgm = module.ProcessGroupManager(tp, pp, dp, cp, ep_size=ep)
+        for axes in [("ep",), ("edp",), ("edp", "cp")]:
+            [mine] = [g for g in groups["_".join(axes)] if rank in g]
+            assert pgm.group(*axes)[1] == mine, (rank, axes)
+    for axis in ["ep", "edp", "edp_cp"]:
+        assert sorted(r for g in groups[axis] for r in g) == list(range(grid.numel())), axis
+    text = grid_tool.describe(dp, pp, cp, tp, ep)
+    assert f"experts: dp {dp} = edp {dp // ep} x ep {ep}" in text
+    assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("rank")), text
+    assert grid_tool.main(["--dp", "3", "--ep", "2"]) == 2
+
+
 def test_the_grid_picture():
     text = grid_tool.describe(2, 2, 1, 2)
     assert "dp 0 │ 0 1 │ ──▶ │ 2 3 │" in text
