@@ -135,6 +135,11 @@ class VocabParallelEmbedding(nn.Module):
     lookup = staticmethod(F.embedding)  # a zero-bubble schedule swaps in one that defers W
 
     def forward(self, input_ids):
+        # An id that no rank holds would become a zero vector and train on, silently. The data is
+        # checked against the vocabulary before the first step, so this is an invariant, asserted
+        # on the device: a check on the host would wait for the GPU at every forward.
+        inside = (input_ids >= 0) & (input_ids < self.num_embeddings)
+        torch._assert_async(inside.all(), "a token id outside the model's vocabulary")
         local = input_ids - self.vocab_start  # (B, T)
         elsewhere = (local < 0) | (local >= self.vocab_per_partition)
         x = self.lookup(local.masked_fill(elsewhere, 0), self.weight, self.padding_idx)  # (B, T, D)

@@ -22,6 +22,8 @@ folder of token shards; --dataset_name FOLDER reads from them only the rows it s
 import hashlib
 import json
 import os
+import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +145,8 @@ def tokenize(dataset, tokenizer, seq_len, num_proc, text_column="text"):
 
 ### begin Token shards
 SHARD_INDEX = "shards.json"  # what tools/prepare_data.py writes last, once every shard is whole
+PROGRESS = "progress.json"  # what it writes while it works, and removes once it has finished
+CHECK_BYTES = 1 << 20  # a shard's CRC-32 is taken over reads of 1 MiB: no copy of the whole file
 
 
 def shard_dtype(vocab_size):
@@ -158,43 +162,157 @@ def fingerprint(tokenizer):
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def largest_id(tokenizer):
+    """The largest id the tokenizer gives; not always len - 1, as an added token may sit past a
+    gap in the ids."""
+    return max(tokenizer.get_vocab().values())
+
+
+def check_vocabulary(what, largest, vocab_size):
+    """Refuse token ids the model has no embedding row for: caught here, before the first step,
+    not mid-run by the embedding (or, split over ranks, turned into zero vectors and trained on)."""
+    if largest >= vocab_size:
+        ids = f"ids {vocab_size} to {largest}" if largest > vocab_size else f"id {largest}"
+        raise ValueError(
+            f"{what} but the model's vocab_size is {vocab_size}: it has no embedding for {ids}; "
+            f"give a --model_name whose vocab_size is at least {largest + 1}"
+        )
+
+
+def check_tokenizer_ids(tokenizer, vocab_size):
+    """The tokenizer's ids against the model's vocabulary: those of text tokenised in memory or
+    streamed, and of the sample's prompt."""
+    largest, what = largest_id(tokenizer), f"the tokenizer has {len(tokenizer)} tokens"
+    if largest != len(tokenizer) - 1:  # a gap in its ids
+        what += f", with ids up to {largest},"
+    check_vocabulary(what, largest, vocab_size)
+
+
+def is_shard_folder(name):
+    """Whether --dataset_name is a folder of token shards, whole. One that tools/prepare_data.py
+    has not finished, or one of its files, is refused, not handed to datasets as a dataset."""
+    path = Path(name)
+    if (path / SHARD_INDEX).is_file():
+        return True
+    if path.is_file() and (path.name == SHARD_INDEX or path.suffix == ".bin"):
+        raise ValueError(
+            f"--dataset_name {name} is a file of a folder of token shards; give the folder: "
+            f"--dataset_name {path.parent}"
+        )
+    if path.is_dir() and (path / PROGRESS).is_file():
+        raise ValueError(
+            f"--dataset_name {name} has no {SHARD_INDEX}: tools/prepare_data.py was stopped "
+            f"before it finished (its {PROGRESS} is there); run it again with --out_dir {name} "
+            f"and the same flags to finish"
+        )
+    if path.is_dir() and any(path.glob("*.bin")):
+        raise ValueError(
+            f"--dataset_name {name} holds token shards (*.bin) but no {SHARD_INDEX}, the index "
+            f"that tools/prepare_data.py writes once every shard is whole; prepare the corpus "
+            f"again with tools/prepare_data.py --out_dir NEW_FOLDER"
+        )
+    return False
+
+
+class Shard:
+    """One file of token ids, read only once its bytes are those whose CRC-32 shards.json gives:
+    checked before its first read, and again whenever the file has changed since (its size or
+    time stamps), so that a shard damaged during the run stops it before its rows are trained."""
+
+    def __init__(self, path, first, tokens, crc32):
+        self.path, self.first, self.tokens, self.crc32 = path, first, tokens, crc32
+        self.fd = os.open(path, os.O_RDONLY)
+        self.lock = threading.Lock()  # the reader and the checker never check it both at once
+        self.checked = None  # the file's stamp when its bytes were last found whole
+
+    def __del__(self):
+        if hasattr(self, "fd"):
+            os.close(self.fd)
+
+    def stamp(self):
+        status = os.fstat(self.fd)
+        return status.st_size, status.st_mtime_ns, status.st_ctime_ns
+
+    def check(self):
+        """The CRC-32 against shards.json's, unless the file is unchanged since it was whole."""
+        with self.lock:
+            stamp = self.stamp()
+            if stamp == self.checked:
+                return
+            crc, offset = 0, 0
+            while chunk := os.pread(self.fd, CHECK_BYTES, offset):
+                crc, offset = zlib.crc32(chunk, crc), offset + len(chunk)
+            if crc != self.crc32:
+                raise ValueError(
+                    f"{self.path} is damaged: its CRC-32 is {crc:08x}, not the {self.crc32:08x} "
+                    f"of {SHARD_INDEX} (it changed after tools/prepare_data.py wrote it); the "
+                    f"run stops before training on it: put back a whole copy, or prepare the "
+                    f"folder again, and --resume goes on exactly"
+                )
+            self.checked = stamp
+
+    def read(self, begin, end, itemsize):
+        """Its tokens `begin` to `end`, as bytes, from the file as it was checked."""
+        while True:
+            self.check()
+            data = os.pread(self.fd, (end - begin) * itemsize, begin * itemsize)
+            if self.stamp() == self.checked:  # not changed while it was read
+                return data
+
+
 class TokenShards:
     """One split of a folder of token shards as rows of T + 1 tokens: the split's shards, read in
     order, are one stream of tokens (documents joined by end-of-text), cut into rows from its
     start; the tokens after the last whole row are not used. `rows[indices]["tokens"]` is (B, T+1),
     as a tokenised dataset gives, and reads only those rows from the files, with positioned reads
     rather than a memory map: a map's pages count in the process's resident memory once touched,
-    and after enough random rows that is the whole corpus."""
+    and after enough random rows that is the whole corpus.
+
+    Each shard's CRC-32 is checked before its rows are served (`Shard`). The first read checks
+    the shards it reads; then a thread checks the others, in order, ahead of the reader (the
+    reads and zlib release the GIL), so that the next micro-batches, whose shuffled rows soon
+    touch every shard, seldom wait for one (tools/data_bench.py measures both). The reader
+    checks itself a shard it reaches before the thread does."""
 
     def __init__(self, folder, index, split, seq_len):
         self.row, self.dtype = seq_len + 1, np.dtype(index["dtype"])
-        self.shards = []  # (first token, file descriptor, tokens)
-        first = 0
+        self.shards, first = [], 0
         for shard in index["splits"][split]:
-            fd = os.open(Path(folder) / shard["file"], os.O_RDONLY)
-            self.shards.append((first, fd, shard["tokens"]))
+            path = Path(folder) / shard["file"]
+            self.shards.append(Shard(path, first, shard["tokens"], shard["crc32"]))
             first += shard["tokens"]
         self.length = first // self.row
+        self.checker, self.failed = None, None  # the thread, and a shard it found damaged
+
+    def check_ahead(self):
+        for shard in self.shards:
+            try:
+                shard.check()
+            except (ValueError, OSError):
+                self.failed = shard  # the reader stops at its next read, whichever rows it wants
+                return
 
     def __len__(self):
         return self.length
 
-    def __del__(self):
-        for _, fd, _ in getattr(self, "shards", []):
-            os.close(fd)
-
     def tokens(self, start, count):
         """`count` tokens of the stream from `start`, across shard ends."""
         parts, size = [], self.dtype.itemsize
-        for first, fd, tokens in self.shards:
-            if start < first + tokens and start + count > first:
-                begin, end = max(start - first, 0), min(start + count - first, tokens)
-                data = os.pread(fd, (end - begin) * size, begin * size)
-                parts.append(np.frombuffer(data, self.dtype))
+        for shard in self.shards:
+            if start < shard.first + shard.tokens and start + count > shard.first:
+                begin = max(start - shard.first, 0)
+                end = min(start + count - shard.first, shard.tokens)
+                parts.append(np.frombuffer(shard.read(begin, end, size), self.dtype))
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, indices):
+        if self.failed:
+            self.failed.check()  # raises, unless the shard was made whole again since
+            self.failed = None
         rows = [self.tokens(i * self.row, self.row) for i in indices]
+        if self.checker is None:  # after the first rows: it does not compete with their checks
+            self.checker = threading.Thread(target=self.check_ahead, daemon=True)
+            self.checker.start()
         return {"tokens": torch.from_numpy(np.stack(rows))}  # (B, T+1)
 
 
@@ -205,22 +323,38 @@ def read_shard_index(folder, tokenizer, tokenizer_name):
         index = json.loads((Path(folder) / SHARD_INDEX).read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"--dataset_name {folder}: cannot read {SHARD_INDEX}: {error}") from error
+    if not isinstance(index, dict):
+        raise ValueError(f"--dataset_name {folder}: its {SHARD_INDEX} is not an index of shards")
     missing = [
         k for k in ("tokenizer", "vocab_size", "fingerprint", "dtype", "splits") if k not in index
     ]
     if missing or index["dtype"] not in ("uint16", "uint32"):
         why = f"has no {missing[0]!r}" if missing else f"names dtype {index['dtype']!r}"
         raise ValueError(f"--dataset_name {folder}: its {SHARD_INDEX} {why}; prepare it again")
+    if not isinstance(index.get("max_token_id", 0), int):
+        raise ValueError(
+            f"--dataset_name {folder}: its {SHARD_INDEX}'s max_token_id is not a number"
+        )
+    splits = index["splits"]
+    for split in ("train", "validation"):
+        shards = splits.get(split) if isinstance(splits, dict) else None
+        if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and {"file", "tokens", "crc32"} <= s.keys() for s in shards
+        ):
+            raise ValueError(
+                f"--dataset_name {folder}: its {SHARD_INDEX} does not list the {split} split's "
+                f"shards with their tokens and CRC-32; prepare it again"
+            )
     if index["fingerprint"] != fingerprint(tokenizer):
         raise ValueError(
             f"--dataset_name {folder} was tokenised with {index['tokenizer']!r} "
             f"({index['vocab_size']} tokens), not with --tokenizer_name {tokenizer_name!r} "
             f"({len(tokenizer)} tokens); give the tokenizer it was made with, or prepare it again"
         )
-    if np.iinfo(index["dtype"]).max < len(tokenizer) - 1:
+    if np.iinfo(index["dtype"]).max < largest_id(tokenizer):
         raise ValueError(
             f"--dataset_name {folder}: its dtype {index['dtype']} cannot hold token ids up to "
-            f"{len(tokenizer) - 1}"
+            f"{largest_id(tokenizer)}"
         )
     itemsize = np.dtype(index["dtype"]).itemsize
     names = {shard["file"] for split in index["splits"].values() for shard in split}
@@ -239,9 +373,8 @@ def read_shard_index(folder, tokenizer, tokenizer_name):
     return index
 
 
-def load_shards(args, tokenizer):
+def load_shards(args, index):
     """The training and validation rows of --dataset_name, a folder of token shards."""
-    index = read_shard_index(args.dataset_name, tokenizer, args.tokenizer_name)
     splits = []
     for name in ("train", "validation"):
         splits.append(TokenShards(args.dataset_name, index, name, args.seq_len))
@@ -350,18 +483,23 @@ class StreamedRows:
 
 def load_data(args, vocab_size):
     """--tokenizer_name, and --dataset_name's training and validation splits in rows of
-    --seq_len + 1 tokens: tokenised here, or read from a folder of token shards."""
+    --seq_len + 1 tokens: tokenised here, or read from a folder of token shards. Every id must
+    have a row in the model's embedding: checked here, before the first step."""
     tokenizer = load_tokenizer(args.tokenizer_name)
-    if len(tokenizer) > vocab_size:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
-        )
-    shards = (Path(args.dataset_name) / SHARD_INDEX).is_file()
+    shards = is_shard_folder(args.dataset_name)
     if args.streaming and shards:
         raise ValueError(
             f"--streaming reads a dataset as it comes; {args.dataset_name} is a folder of token "
             f"shards, which is read in place without it: drop --streaming"
         )
+    if shards:
+        index = read_shard_index(args.dataset_name, tokenizer, args.tokenizer_name)
+        # A shards.json older than the record of its largest id: its tokenizer's bounds it (the
+        # fingerprint says which tokenizer wrote it, the CRC-32s that its bytes are unchanged).
+        largest = index.get("max_token_id", largest_id(tokenizer))
+        what = f"--dataset_name {args.dataset_name} holds token ids up to {largest}"
+        check_vocabulary(what, largest, vocab_size)
+    check_tokenizer_ids(tokenizer, vocab_size)
     if args.streaming:
         train, validation = (
             StreamedRows(args.dataset_name, split, tokenizer, args.seq_len)
@@ -371,7 +509,7 @@ def load_data(args, vocab_size):
         log(f"data {args.dataset_name}: streamed, its rows tokenised as they are served")
         return tokenizer, train, validation
     if shards:
-        train, validation = load_shards(args, tokenizer)
+        train, validation = load_shards(args, index)
     else:
         train, validation = load_splits(args.dataset_name, args.seed)
         train = tokenize(train, tokenizer, args.seq_len, args.num_proc)

@@ -9,7 +9,8 @@ for the same compute per token.
 Mixtral's routing, as transformers' MixtralForCausalLM computes it: the router's logits in fp32,
 softmax over the E experts, the top k, their probabilities divided by their sum (the weights);
 each expert is our LlamaMLP (transformers' w1, w3, w2 are its gate_proj, up_proj, down_proj).
-With k = 1 the one weight is always 1.0 and the router would get no gradient: refused.
+With k = 1 the one weight is always 1.0: the loss of the predictions would send the router no
+gradient (only the balancing and z-losses would train it): refused.
 
 Llama 4's routing (`--moe_router llama4`, as transformers' Llama4TextMoe computes it): each
 expert's score is the sigmoid of its logit, not a share of a softmax, so a token's k weights are
@@ -88,7 +89,9 @@ def check_moe(config, args):
     E, k = config.num_local_experts, config.num_experts_per_tok
     least = 1 if args.moe_router == "llama4" else 2  # sigmoid scores: one weight still learns
     if not least <= k <= E:
-        why = "its one weight is 1.0, so the router gets no gradient" if k == 1 else "too many"
+        why = "too many" if k > E else "too few"
+        if k == 1:  # only the router's own losses would reach it
+            why = "its one weight is 1.0: the predictions' loss sends the router no gradient"
         raise ValueError(
             f"num_experts_per_tok={k} is not supported ({why}): use {least} to "
             f"num_local_experts={E}"

@@ -15,16 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bookkeeping import (
-    Run,
-    agree,
-    check_restarts,
-    find_checkpoint,
-    loss_scale,
-    restart_store,
-    unscale,
-    warmup_cosine,
-)
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store
 from checkpoint import load_checkpoint, save_checkpoint
 from dataloader import MicroBatchDataLoader, load_data
 from flags import load_config, make_parser, parse
@@ -32,6 +23,7 @@ from kv_cache import kv_cache
 from model import LlamaForCausalLM
 from muon import make_optimizer
 from process_group_manager import ProcessGroupManager, check_sizes
+from recipes import loss_scale, unscale, warmup_cosine
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
 
 

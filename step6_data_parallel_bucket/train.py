@@ -12,16 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from bookkeeping import (
-    Run,
-    agree,
-    check_restarts,
-    find_checkpoint,
-    loss_scale,
-    restart_store,
-    unscale,
-    warmup_cosine,
-)
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store
 from checkpoint import load_checkpoint, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
@@ -32,6 +23,7 @@ from muon import make_optimizer
 from overlap_timeline import NO_TIMELINE, OverlapTimeline
 from placement import OnWhole
 from process_group_manager import ProcessGroupManager, check_sizes
+from recipes import loss_scale, unscale, warmup_cosine
 from tensor_parallel import (
     Gather,
     apply_tensor_parallel,

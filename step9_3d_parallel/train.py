@@ -12,16 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from bookkeeping import (
-    Run,
-    agree,
-    check_restarts,
-    find_checkpoint,
-    loss_scale,
-    restart_store,
-    unscale,
-    warmup_cosine,
-)
+from bookkeeping import Run, agree, check_restarts, find_checkpoint, restart_store
 from checkpoint import check_resume, resume, save_checkpoint
 from data_parallel import DataParallelBucket
 from dataloader import MicroBatchDataLoader, load_data
@@ -44,6 +35,7 @@ from pipeline_parallel import (
 from pipeline_timeline import NoTimeline, Timeline
 from placement import OnWhole
 from process_group_manager import ProcessGroupManager, check_sizes
+from recipes import loss_scale, unscale, warmup_cosine
 from tensor_parallel import (
     Gather,
     apply_tensor_parallel,

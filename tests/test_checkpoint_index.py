@@ -192,11 +192,11 @@ def test_a_parameter_the_dense_model_lacks_is_saved_and_resumed(tmp_path):
 
 NO_ROOM_ONCE = """import sys
 sys.path.insert(0, {step!r})
-import bookkeeping
+import retention
 import train
 import utils
 
-real, calls = bookkeeping.shutil.disk_usage, []
+real, calls = retention.shutil.disk_usage, []
 
 
 def usage(path):  # the first question finds a full disk, the next ones the real one
@@ -204,7 +204,7 @@ def usage(path):  # the first question finds a full disk, the next ones the real
     return real(path)._replace(free=0) if len(calls) == 1 else real(path)
 
 
-bookkeeping.shutil.disk_usage = usage
+retention.shutil.disk_usage = usage
 utils.run_main(train.main)
 """
 

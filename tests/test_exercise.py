@@ -1,11 +1,14 @@
 """tools/exercise.py: a step's technique written by the learner, graded by the step's own tests.
 
 The manifest names real functions and real tests; `start` empties exactly the listed functions
-(each then raises its hint) and copies everything else byte for byte; the graded tests, run with
-`pytest --step DIR`, fail every one on the emptied copy (each on a function's hint: the copy is
-what ran, in the test process, in the ranks of `spawn` and in train.py's) and pass on the copy
-with the reference put back; `diff` and `restore` work function by function; bad input is refused
-with one line and exit status 2.
+(each then raises its first hint) and copies everything else byte for byte, into any folder;
+the graded tests, run with `pytest --step DIR`, fail every one on the emptied copy (each on a
+function's hint: the copy is what ran, in the test process, in the ranks of `spawn` and in
+train.py's) and pass on the copy with the reference put back; hints come in two levels and
+traps are said; the grader runs a function installed in the model, on the step's own code,
+before the test of the whole model, and names a function that passes alone and fails there;
+`diff` and `restore` work function by function; bad input is refused with one line and exit
+status 2.
 """
 
 import ast
@@ -14,6 +17,7 @@ import inspect
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,7 +53,13 @@ def test_the_manifest_names_real_functions_and_tests():
             assert blank.file in step.changes, (step.folder, blank.file)
             source = (ROOT / step.folder / blank.file).read_text()
             exercise.find(ast.parse(source), blank.name, blank.file)  # raises if it is not there
-            assert blank.hint and "\n" not in blank.hint and '"' not in blank.hint, blank
+            for text in (blank.hint, blank.nudge, *blank.traps):
+                assert "\n" not in text and '"' not in text, blank
+            assert blank.hint and blank.nudge != blank.hint, blank
+            # A function installed in a test is graded by its own tests first.
+            assert not blank.installed or blank.installed in step.graded, blank
+        if any(blank.nudge for blank in step.blanks):  # two levels for the whole exercise
+            assert all(blank.nudge for blank in step.blanks), step.folder
     # Their parameters exist too: the graded runs below find every test, in the manifest's order.
     nodes = [node for step in STEPS for node in step.graded]
     assert len(set(nodes)) == len(nodes)
@@ -86,6 +96,7 @@ def test_start_empties_the_listed_functions_and_copies_the_rest(tmp_path):
     listed = re.findall(r"^ +\d+\. ([\w.]+):", printed, re.MULTILINE)
     assert listed == [blank.name for blank in STEP4.blanks], printed
     assert f"python tools/exercise.py grade {folder}" in printed
+    assert "exercise.py hint" not in printed  # step 4's hints are of one level
 
     for file in blanked:
         ours, theirs = (folder / file).read_text(), (reference / file).read_text()
@@ -177,12 +188,20 @@ def test_the_graded_tests_pass_on_the_copy_put_back(tmp_path, step):
 
 @pytest.mark.parametrize("step", WITH_EXERCISE)
 def test_every_exercise_starts_with_its_hints(tmp_path, step):
-    """Every step's copy, in seconds: it lists its functions in the manifest's order; only their
+    """Every step's copy, in seconds: it lists its functions in the manifest's order, each with
+    its first hint (the nudge where there is one, not the detail) and its traps; only their
     bodies changed (put back, each file is the step's, byte for byte); the files lint but for the
-    imports only the bodies used; each emptied function raises its hint at once."""
+    imports only the bodies used; each emptied function raises its first hint at once."""
     folder, printed = start(tmp_path, step)
     listed = re.findall(r"^ +\d+\. ([\w.]+):", printed, re.MULTILINE)
     assert listed == [blank.name for blank in step.blanks], printed
+    said = " ".join(printed.split())
+    for blank in step.blanks:
+        assert f"{blank.name}: {' '.join((blank.nudge or blank.hint).split())}" in said, blank
+        assert not blank.nudge or " ".join(blank.hint.split()) not in said, blank.name
+        for trap in blank.traps:
+            assert f"trap: {' '.join(trap.split())}" in said, (blank.name, trap)
+    assert ("exercise.py hint" in printed) == any(blank.nudge for blank in step.blanks)
     for file in dict.fromkeys(blank.file for blank in step.blanks):
         ours, theirs = (folder / file).read_text(), (ROOT / step.folder / file).read_text()
         blanks = [blank for blank in step.blanks if blank.file == file]
@@ -203,7 +222,8 @@ def test_every_exercise_starts_with_its_hints(tmp_path, step):
             arguments = [None] * len(inspect.signature(function).parameters)
             with pytest.raises(NotImplementedError) as raised:
                 function(*arguments)
-            assert str(raised.value) == f"write {blank.name}: {blank.hint}"
+            more = " (how: exercise.py hint)" if blank.nudge else ""
+            assert str(raised.value) == f"write {blank.name}: {blank.nudge or blank.hint}{more}"
 
 
 def test_diff_and_restore_work_function_by_function(tmp_path):
@@ -242,11 +262,13 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
         ("start", "99"): "there is no step 99",
         ("start", "1"): f"step 1 has no exercise yet (steps with one: {with_one})",
         ("start", "4", "--out", str(folder)): "exists",
-        ("start", "4", "--out", str(tmp_path / "mine")): "name the copy like the step's folder",
+        ("start", "4", "--out", str(folder.parent)): "exists",  # the same copy, DIR/step4_...
         ("grade", str(tmp_path / "none")): "no such folder",
         ("grade", str(ROOT / STEP4.folder)): "is not an exercise copy",
         ("diff", str(tmp_path)): "is not an exercise copy",
         ("restore", str(folder), "Column"): "Column is not a function of step 4's exercise",
+        ("hint", str(folder), "Column"): "Column is not a function of step 4's exercise",
+        ("hint", str(tmp_path)): "is not an exercise copy",
     }
     for args, words in refusals.items():
         result = tool(*args)
@@ -271,3 +293,113 @@ def test_a_failure_names_the_first_element_that_differs():
         assert_matches(actual[..., :2], expected, "x", rtol=0, atol=0.1)
     assert str(raised.value) == "x has shape (2, 3, 2), one device gives (2, 3, 4)"
     assert_matches(actual, expected + 0.5, "x", rtol=0, atol=0.8)  # within the tolerance
+
+
+def test_out_is_the_folder_the_copy_goes_in(tmp_path):
+    """`--out DIR` puts the copy in DIR, named like the step's folder (the name that tells
+    `pytest --step` which step it stands in for), whatever DIR is called; the copy works with the
+    other commands; a DIR named like the step's folder is the copy itself."""
+    result = tool("start", "4", "--out", str(tmp_path / "my work"))
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "my work" / STEP4.folder
+    assert (folder / exercise.MARK).is_file()
+    assert result.stdout.startswith(f"{folder}: step 4's folder"), result.stdout
+    assert (tmp_path / "my work" / "assets").is_symlink()  # flags.py finds the configs above
+    lines = tool("diff", str(folder)).stdout.splitlines()
+    assert lines == [f"{blank.name}: not written yet" for blank in STEP4.blanks]
+    assert not (tmp_path / "my work" / STEP4.folder / STEP4.folder).exists()
+
+
+STEP13 = step_entry(13)
+
+
+def test_hint_says_how_and_the_traps(tmp_path):
+    """`hint COPY NAME`: the detail the listing keeps back, and the traps; without a name, the
+    first function not written yet."""
+    folder, printed = start(tmp_path, STEP13)
+    first, second, *_ = STEP13.blanks
+    last = STEP13.blanks[-1]
+    said = lambda *args: " ".join(tool("hint", str(folder), *args).stdout.split())  # noqa: E731
+    assert said().startswith(f"{first.name} ({first.file}): {first.hint}")
+    assert tool("restore", str(folder), first.name).returncode == 0
+    assert said().startswith(f"{second.name} ({second.file}): {second.hint}")
+    text = said(last.name)
+    assert text.startswith(f"{last.name} ({last.file}): {last.hint}")
+    assert "after keep_stage (step 7) the layers are an nn.ModuleDict" in text
+    for trap in last.traps:
+        assert f"trap: {' '.join(trap.split())}" in text
+    assert tool("restore", str(folder)).returncode == 0
+    assert said() == f"{folder}: every function is written; name one for its hint"
+
+
+RECURSING = ("        return RMSNorm.forward(norm, x)\n", "        return norm.forward(x)\n")
+
+
+def recursing_norm(tmp_path):
+    """Step 13's copy, every function ours but norm_forward, which calls the norm: right alone,
+    and once installed as every norm's forward, a call of itself."""
+    folder, _ = start(tmp_path, STEP13)
+    assert tool("restore", str(folder)).returncode == 0
+    path = folder / "sequence_parallel.py"
+    source = path.read_text()
+    assert source.count(RECURSING[0]) == 1
+    path.write_text(source.replace(*RECURSING))
+    return folder
+
+
+def test_the_grader_runs_installed_functions_before_the_model_test(tmp_path, monkeypatch, capsys):
+    """The order of a grading, its pytest runs faked: the tests before the model's on the copy;
+    then the model's on the step's code with only the copy's functions installed there that
+    differ from ours (norm_forward), which fails; grading stops there and names it."""
+    folder = recursing_norm(tmp_path)
+    installed = {blank.installed for blank in STEP13.blanks if blank.installed}
+    model = next(n for n in STEP13.graded if n.endswith("-model]"))
+    assert model in installed
+    runs = []
+
+    def run_graded(copy, nodes, stop_first=True):
+        copy = Path(copy)
+        runs.append((copy, list(nodes), (copy / "sequence_parallel.py").read_text()))
+        if copy == folder:
+            return {node: ("passed", "") for node in nodes}, 0, ""
+        error = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    f()\n'
+        return {nodes[0]: ("failed", error + "RecursionError: maximum recursion depth")}, 1, ""
+
+    monkeypatch.setattr(exercise, "run_graded", run_graded)
+    assert exercise.grade(folder) == 1
+    printed = capsys.readouterr().out
+    before = STEP13.graded[: STEP13.graded.index(model)]
+    assert [nodes for _, nodes, _ in runs] == [list(before), [model]]
+    mixed, _, source = runs[1]
+    assert mixed != folder and mixed.name == STEP13.folder
+    reference = (ROOT / STEP13.folder / "sequence_parallel.py").read_text()
+    mine = (folder / "sequence_parallel.py").read_text()
+    for blank in (b for b in STEP13.blanks if b.file == "sequence_parallel.py"):
+        want = mine if blank.name == "norm_forward" else reference
+        assert exercise.function_text(source, blank.name, blank.file) == exercise.function_text(
+            want, blank.name, blank.file
+        ), blank.name
+    name = model.split("::")[1]
+    assert f"  FAILED  {name} with norm_forward yours, the rest the step's" in printed, printed
+    assert "RecursionError: maximum recursion depth" in printed
+    assert f"{len(before)} of {len(STEP13.graded)} graded tests pass" in printed
+    assert "the whole report" not in printed
+
+
+def test_a_norm_forward_that_recurses_once_installed_fails_the_model_test(tmp_path, capsys):
+    """For real: norm_forward calling `norm.forward(x)` passes the norm's own test (it calls the
+    function on a norm whose forward is still RMSNorm's); on the step's code around it, the
+    model's test fails with the recursion, and names the function. Without a function of its own
+    there, nothing runs."""
+    folder = recursing_norm(tmp_path)
+    model = next(n for n in STEP13.graded if n.endswith("-model]"))
+    norm = next(n for n in STEP13.graded if n.endswith("-norm]"))
+    results, _, output = exercise.run_graded(folder, [norm])
+    assert results[norm][0] == "passed", output[-3000:]
+    assert not exercise.check_installed(folder, STEP13, model)
+    printed = capsys.readouterr().out
+    assert "with norm_forward yours, the rest the step's" in printed, printed
+    assert "RecursionError" in printed and "at sequence_parallel.py, norm_forward" in printed
+    assert tool("restore", str(folder), "norm_forward").returncode == 0
+    assert exercise.check_installed(folder, STEP13, model)  # every function ours: no run
+    assert capsys.readouterr().out == ""

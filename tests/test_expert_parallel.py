@@ -705,7 +705,9 @@ def test_a_checkpoint_with_other_experts_is_refused_before_the_first_step(tmp_pa
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("top_k, message", [(1, "the router gets no gradient"), (5, "too many")])
+@pytest.mark.parametrize(
+    "top_k, message", [(1, "the predictions' loss sends the router no gradient"), (5, "too many")]
+)
 def test_a_config_with_another_top_k_is_refused(tmp_path, top_k, message):
     config = json.loads((ROOT / "assets/configs/tiny-moe/config.json").read_text())
     config["num_experts_per_tok"] = top_k

@@ -1,4 +1,4 @@
-"""--dtype float16 with dynamic loss scaling (bookkeeping.LossScale, from step 3): the same
+"""--dtype float16 with dynamic loss scaling (recipes.LossScale, from step 3): the same
 updates as PyTorch's GradScaler, an overflow on one rank skipped on every rank of tp 2 x pp 2, and
 the scale resumed exactly from a checkpoint."""
 
@@ -25,8 +25,9 @@ import os, runpy, sys
 sys.path.insert(0, {str(ROOT / step)!r})
 import torch
 import bookkeeping
+import recipes
 if {initial!r} is not None:
-    bookkeeping.LossScale.INITIAL = {initial!r}
+    recipes.LossScale.INITIAL = {initial!r}
 if {overflow_on!r} is not None:
     agree, calls = bookkeeping.agree, [0]
     def overflow_here(loss, grad_norm, *args, **kwargs):
@@ -43,26 +44,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_the_scale_halves_on_an_overflow_doubles_after_finite_steps_and_gives_up():
     bookkeeping = import_step(S3, "bookkeeping")
-    scale = bookkeeping.LossScale(SimpleNamespace(dtype="float16"))
+    recipes = sys.modules["recipes"]
+    scale = recipes.LossScale(SimpleNamespace(dtype="float16"))
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scale.start(optimizer)
-    assert bookkeeping.loss_scale(optimizer) == 2.0**16
+    assert recipes.loss_scale(optimizer) == 2.0**16
     ok = bookkeeping.Facts(1.0, 1.0, True, True, False)
     overflow = bookkeeping.Facts(1.0, math.inf, True, False, False)
     record = {}
     assert scale.update(overflow, optimizer, 1, record) is None
     assert record == {"loss_scale": 2.0**16, "overflow": True}
-    assert bookkeeping.loss_scale(optimizer) == 2.0**15
+    assert recipes.loss_scale(optimizer) == 2.0**15
     for step in range(2, 2 + scale.GROWTH_INTERVAL):
         assert scale.update(ok, optimizer, step, {}) is None
-    assert bookkeeping.loss_scale(optimizer) == 2.0**16  # doubled after 2000 finite steps
+    assert recipes.loss_scale(optimizer) == 2.0**16  # doubled after 2000 finite steps
     why = [scale.update(overflow, optimizer, 9000 + i, {}) for i in range(25)]
     assert why[:24] == [None] * 24 and "overflowed 25 steps in a row" in why[24]
-    fp32 = bookkeeping.LossScale(SimpleNamespace(dtype="float32"))
+    fp32 = recipes.LossScale(SimpleNamespace(dtype="float32"))
     fp32.start(optimizer := torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
-    assert (
-        bookkeeping.loss_scale(optimizer) == 1.0 and "loss_scale" not in optimizer.param_groups[0]
-    )
+    assert recipes.loss_scale(optimizer) == 1.0 and "loss_scale" not in optimizer.param_groups[0]
 
 
 def test_loss_scaling_updates_as_torch_grad_scaler():
@@ -72,7 +72,7 @@ def test_loss_scaling_updates_as_torch_grad_scaler():
     same weights to rounding (later, fp16's rounding of two runs that differ in the last bit of a
     weight grows, as between any two implementations)."""
     train = import_step(S3, "train")
-    bookkeeping = sys.modules["bookkeeping"]
+    recipes = sys.modules["recipes"]
     args = train.parse_args([*TINY, "--dtype", "float16", "--learning_rate", "1e-2"])
     config = train.load_config(args)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -88,7 +88,7 @@ def test_loss_scaling_updates_as_torch_grad_scaler():
             models, optimizers, strict=True
         )
         state = train.State(ours, ours, optimizer, scheduler, None, None, None)
-        scale = bookkeeping.LossScale(args)
+        scale = recipes.LossScale(args)
         scale.INITIAL = 2.0**24
         scale.start(optimizer)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2000)
@@ -113,7 +113,7 @@ def test_loss_scaling_updates_as_torch_grad_scaler():
             if scaler.get_scale() >= before:  # applied: ours moves its schedule only then
                 their_scheduler.step()
             skipped.append((not facts.finite, scaler.get_scale() < before))
-            scales.append((bookkeeping.loss_scale(optimizer), scaler.get_scale()))
+            scales.append((recipes.loss_scale(optimizer), scaler.get_scale()))
             if sum(not a for a, _ in skipped) == 2:  # fp16 then magnifies rounding, step by step
                 break
     finally:

@@ -188,7 +188,7 @@ def test_restarts_that_cannot_reconnect_are_warned_about(capsys):
 
 
 def test_keep_last_keeps_the_newest_and_never_latest(tmp_path):
-    bookkeeping = import_step(S3, "bookkeeping")
+    retention = import_step(S3, "retention")
     save_dir = tmp_path / "ckpt"
     for step in [1, 2, 3, 4]:
         (save_dir / f"step_{step:06d}").mkdir(parents=True)
@@ -196,7 +196,7 @@ def test_keep_last_keeps_the_newest_and_never_latest(tmp_path):
     (save_dir / ".step_000005.tmp").mkdir()  # being written
     (save_dir / ".step_000000.deleting").mkdir()  # left by a crash during a deletion
     (save_dir / "latest").write_text("step_000002")  # a resume from an older one
-    bookkeeping.prune_checkpoints(save_dir, 1)
+    retention.prune_checkpoints(save_dir, 1)
     names = sorted(p.name for p in save_dir.iterdir())
     assert names == [".step_000005.tmp", "latest", "step_000002", "step_000004"]
 
@@ -214,9 +214,9 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_the_first_step(
     tmp_path, capsys, monkeypatch, mode
 ):
     train = import_step(S3, "train")
-    bookkeeping, utils = sys.modules["bookkeeping"], sys.modules["utils"]
-    free = bookkeeping.shutil.disk_usage(tmp_path)._replace(free=1000)
-    monkeypatch.setattr(bookkeeping.shutil, "disk_usage", lambda path: free)
+    retention, utils = sys.modules["retention"], sys.modules["utils"]
+    free = retention.shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(retention.shutil, "disk_usage", lambda path: free)
     monkeypatch.setattr(utils.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     save_dir, data = tmp_path / "ckpt", tmp_path / "stories"
     data.mkdir()

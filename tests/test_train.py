@@ -185,10 +185,10 @@ def test_wsd_holds_the_rate_until_its_decay_then_falls_in_a_line():
     """--lr_schedule wsd: the warm-up, the peak held until the last --decay_fraction of the
     steps, then a straight line to 10 % at the last; during the warm-up, the cosine's factors."""
     train = import_step("step3_dataloader", "train")
-    bookkeeping = sys.modules["bookkeeping"]
+    recipes = sys.modules["recipes"]
     flags = ["--max_steps", "100", "--warmup_steps", "10", "--decay_fraction", "0.2"]
-    wsd = bookkeeping.lr_factor(train.parse_args([*flags, "--lr_schedule", "wsd"]), 100)
-    cosine = bookkeeping.lr_factor(train.parse_args(flags), 100)
+    wsd = recipes.lr_factor(train.parse_args([*flags, "--lr_schedule", "wsd"]), 100)
+    cosine = recipes.lr_factor(train.parse_args(flags), 100)
     assert [wsd(step) for step in range(10)] == [cosine(step) for step in range(10)]
     assert [wsd(step) for step in (10, 50, 80)] == [1.0, 1.0, 1.0]  # stable until step 80
     assert wsd(90) == pytest.approx(0.55) and wsd(100) == pytest.approx(0.1)  # 20 steps of decay

@@ -30,8 +30,15 @@ query heads, k key/value heads, d head dim, t tp ranks; r = t with sequence para
 kept all the same; --recompute full keeps the layer's input only, bsh / r.
 
 --attention math runs SDPA's unfused kernel (torch.nn.attention.sdpa_kernel), which keeps the
-score-sized tensors, (b, a / t, s, s), that the fused one never stores: those are what Megatron's
-selective recomputation drops. The formula is the fused kernel's; with math, compare the rows.
+score-sized tensor that the fused one never stores, softmax's output (b, a / t, s, s): what
+Megatron's selective recomputation drops. It also keeps its own copies of q and k (scaled by
+d^-1/4 each) and of v, k and v repeated to the a / t query heads, in place of q, k, v and the
+log-sum-exp; the formula column is then that kernel's:
+
+    attention (math, none)              bsd 4a / t + bas^2 / t + 2sd
+                                        the output, q, k, v (a / t heads each); softmax's output
+
+and with selective or full recomputation the fused kernel's (what is kept is the same).
 """
 
 import argparse
@@ -80,8 +87,9 @@ def step_flags(args, tp, sp, mode):
     return flags
 
 
-def formula(config, b, s, t, sp, mode):
-    """The bytes one decoder layer keeps for backward on one rank (fp32), as the docstring says."""
+def formula(config, b, s, t, sp, mode, kernel="fused"):
+    """The bytes one decoder layer keeps for backward on one rank (fp32), as the docstring says,
+    for SDPA's fused kernel or its math one (`kernel`, --attention)."""
     h, F, a = config.hidden_size, config.intermediate_size, config.num_attention_heads
     k = config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // a
@@ -92,6 +100,8 @@ def formula(config, b, s, t, sp, mode):
     attention = b * s * d * (2 * a + 2 * k) // t + b * a * s // t + 2 * s * d
     if mode == "selective":
         attention -= b * a * s // t
+    elif kernel == "math":  # its q, k, v copies at a / t heads and the softmax's output
+        attention = b * s * d * 4 * a // t + b * a * s * s // t + 2 * s * d
     return 4 * (norms + 2 * b * s * h + attention + 4 * b * s * F // t)
 
 
@@ -208,13 +218,19 @@ def main(argv=None):
         f"{config.intermediate_size}, {heads}, b {b}, s {s}, fp32, {args.attention} attention; "
         "bytes kept for backward on rank 0"
     )
+    if args.attention == "math":
+        print(
+            "the formula: the math kernel's, which keeps softmax's output (b, a/t, s, s) and its "
+            "own q, k, v at a/t heads, not the log-sum-exp (none); selective and full: the fused "
+            "kernel's"
+        )
     print(f"{'tp':>3} {'sp':>3} {'recompute':>10} {'layer':>12} {'formula':>12} "
           f"{'micro-batch':>12} {'peak':>12} {'fwd+bwd ms':>11}")  # fmt: skip
     for tp in args.tp:
         figures = run(tp, args)[0]
         base = {sp: figures[sp, "none"][2] for sp, _ in figures}
         for (sp, mode), (layer, batch, seconds, peak) in figures.items():
-            want = formula(config, b, s, tp, sp, mode)
+            want = formula(config, b, s, tp, sp, mode, args.attention)
             ratio = seconds / base[sp]
             print(
                 f"{tp:>3} {'yes' if sp else 'no':>3} {mode:>10} {layer:>12,} {want:>12,} "

@@ -1,14 +1,18 @@
 """What the data path costs: token shards read in place against rows tokenised in memory.
 
-    python tools/data_bench.py            # about a minute on 2 cores; writes 1 GB to a temp folder
+    python tools/data_bench.py            # about a minute on 2 cores; writes 2 GB to a temp folder
 
-Three measurements, on the machine it runs on:
+Four measurements, on the machine it runs on:
 - the loader's time per micro-batch (step 3's MicroBatchDataLoader, --micro_batch_size 4,
   --seq_len 256) over the default corpus, tokenised in memory and read from shards, the two
   alternated in rounds;
 - the resident memory of a process that serves 2,000 micro-batches from a 50 MB and from a 1 GB
   shard set (random tokens, --sizes_mb), each in a fresh process: it must not grow with the
   corpus, but for the epoch's shuffled order, 8 bytes a row;
+- what checking each shard's CRC-32 costs on the largest set cut into 50 shards: the whole set
+  checked in one thread, and the loader's wait over its first 60 micro-batches with 30 ms of
+  compute after each, its checks as the trainer runs them (a thread ahead of the reader), by the
+  reader alone, and none, alternated;
 - tools/prepare_data.py's tokens per second on the default corpus with 1 and 2 processes,
   alternated.
 """
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -51,26 +56,31 @@ def loader_overhead(folder, rounds, batches):
     return {name: min(t) for name, t in times.items()}, len(in_memory), len(shards)
 
 
-def synthetic_shards(folder, tokens):
-    """A shard set of random token ids that the tinytales tokenizer accepts: 100M-token shards."""
+def synthetic_shards(folder, tokens, shard_tokens=100_000_000):
+    """A shard set of random token ids that the tinytales tokenizer accepts, with its CRC-32s."""
     tokenizer = dataloader.load_tokenizer("tinytales")
     folder.mkdir()
     generator, shards, left = np.random.default_rng(0), [], tokens
     while left:
-        count = min(left, 100_000_000)
+        count = min(left, shard_tokens)
         name = f"train_{len(shards):06d}.bin"
-        generator.integers(0, len(tokenizer), count, dtype=np.uint16).tofile(folder / name)
-        shards.append({"file": name, "tokens": count})
+        ids = generator.integers(0, len(tokenizer), count, dtype=np.uint16)
+        ids.tofile(folder / name)
+        shards.append({"file": name, "tokens": count, "crc32": zlib.crc32(ids)})
         left -= count
-    (folder / "validation_000000.bin").write_bytes(np.zeros(T + 1, np.uint16).tobytes())
+    validation = np.zeros(T + 1, np.uint16)
+    validation.tofile(folder / "validation_000000.bin")
     index = {
         "tokenizer": "tinytales",
         "vocab_size": len(tokenizer),
         "fingerprint": dataloader.fingerprint(tokenizer),
         "dtype": "uint16",
+        "max_token_id": len(tokenizer) - 1,
         "splits": {
             "train": shards,
-            "validation": [{"file": "validation_000000.bin", "tokens": T + 1}],
+            "validation": [
+                {"file": "validation_000000.bin", "tokens": T + 1, "crc32": zlib.crc32(validation)}
+            ],
         },
     }
     (folder / dataloader.SHARD_INDEX).write_text(json.dumps(index))
@@ -101,6 +111,40 @@ def resident_memory(folder, batches):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
+
+
+def check_cost(folder, rounds, batches, compute=0.03):
+    """Milliseconds: every train shard's CRC-32 taken in one thread; and the loader's wait for its
+    first micro-batch and for all `batches` of them, `compute` seconds of sleep (which releases
+    the GIL, as a step on a GPU does) after each, with the checks as the trainer runs them, by
+    the reader alone (no thread), and with none. Best of `rounds`, alternated."""
+    index = json.loads((folder / dataloader.SHARD_INDEX).read_text())
+    check, ahead = dataloader.Shard.check, dataloader.TokenShards.check_ahead
+    unchecked = lambda self: setattr(self, "checked", self.stamp())  # noqa: E731 (no CRC-32)
+    variants = {"no CRC-32": (unchecked, ahead), "reader alone": (check, lambda self: None)}
+    variants["thread ahead"] = (check, ahead)  # as the trainer runs them
+    whole, waits = [], {name: [] for name in variants}
+    for _ in range(rounds):
+        rows = dataloader.TokenShards(folder, index, "train", T)
+        start = time.perf_counter()
+        for shard in rows.shards:
+            shard.check()
+        whole.append((time.perf_counter() - start) * 1e3)
+        for name, (check_one, check_all) in variants.items():
+            dataloader.Shard.check, dataloader.TokenShards.check_ahead = check_one, check_all
+            loader = dataloader.MicroBatchDataLoader(
+                dataloader.TokenShards(folder, index, "train", T), B, 0, "cpu"
+            )
+            wait = []
+            for _ in range(batches):
+                start = time.perf_counter()
+                next(loader)
+                wait.append((time.perf_counter() - start) * 1e3)
+                time.sleep(compute)
+            waits[name].append((wait[0], sum(wait)))
+    dataloader.Shard.check, dataloader.TokenShards.check_ahead = check, ahead
+    best = {name: (min(f for f, _ in w), min(t for _, t in w)) for name, w in waits.items()}
+    return min(whole), best
 
 
 def prepare_rate(tmp, rounds):
@@ -136,6 +180,16 @@ def main(argv=None):
             grew = seen["after"] - seen["before"]
             print(f"  {mb:,} MB shard set ({seen['rows']:,} rows): {seen['before']:.0f} after "
                   f"imports, {seen['after']:.0f} after serving (+{grew:.0f})")  # fmt: skip
+        mb, batches = max(map(int, args.sizes_mb.split(","))), min(args.batches, 60)
+        synthetic_shards(tmp / "check", mb * 500_000, shard_tokens=mb * 10_000)  # 50 shards
+        whole, waits = check_cost(tmp / "check", args.rounds, batches)
+        print(f"\nCRC-32 checks of a {mb:,} MB shard set in 50 shards (best of {args.rounds}):")
+        print(f"  every shard in one thread: {whole:.1f} ms ({mb / whole:.2f} GB/s)")
+        print(
+            f"  the loader's wait, ms, with 30 ms of compute after each of {batches} micro-batches:"
+        )
+        for name, (first, total) in waits.items():
+            print(f"    {name:12}: {first:7.1f} for the first, {total:7.1f} for all")
         rates = prepare_rate(tmp, 2)
         print("\nprepare_data.py, train split of the default corpus, tokens/s (best of 2):")
         for n, rate in rates.items():

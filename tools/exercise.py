@@ -1,18 +1,27 @@
 """Write a step's technique yourself, and be graded by the tests that prove the course's own.
 
     python tools/exercise.py start 4 [--out DIR]    a copy of step 4 whose technique you write
-    python tools/exercise.py grade DIR              its graded tests, smallest first
-    python tools/exercise.py diff DIR               your functions against the reference's
-    python tools/exercise.py restore DIR [NAME]     the reference's NAME back, or all of them
+    python tools/exercise.py hint COPY [NAME]       how to write NAME (the first one left)
+    python tools/exercise.py grade COPY             its graded tests, smallest first
+    python tools/exercise.py diff COPY              your functions against the reference's
+    python tools/exercise.py restore COPY [NAME]    the reference's NAME back, or all of them
 
-`start` copies the step's folder to DIR (exercises/<the step's folder> by default; the copy keeps
-the folder's name, which is how `pytest --step DIR` knows which step it stands in for) and empties
-the functions that tools/steps.py lists for the step's exercise: each keeps its signature and
+`start` copies the step's folder to COPY, `DIR/<the step's folder>` (DIR: `exercises` by default,
+or a folder named like the step's, which is then the copy itself: the copy keeps the folder's
+name, which is how `pytest --step COPY` knows which step it stands in for) and empties the
+functions that tools/steps.py lists for the step's exercise: each keeps its signature and
 docstring, the shapes its lines were commented with, and raises `NotImplementedError("write NAME:
-HINT")` until you write it. Every other file is the step's, byte for byte. `grade` runs the step's
-graded tests with `pytest --step DIR`, in the manifest's order (each layer against its
-single-device reference, then the collectives counted, then the whole layout against one device),
-and stops at the first that fails, with what it says.
+HINT")` until you write it. Every other file is the step's, byte for byte. Where the manifest
+gives a function a nudge, the hints come in two levels: HINT and the listing that `start` prints
+say what the function is for, and `hint` says how to write it, only when asked; `start` and
+`hint` also say each function's traps. `grade` runs the step's graded tests with
+`pytest --step COPY`, in the manifest's order (each layer against its single-device reference,
+then the collectives counted, then the whole layout against one device), and stops at the first
+that fails, with what it says. Before a test that runs functions inside the model the step's own
+plan builds (the manifest's `installed`), it runs that test on the step's code with only those of
+your functions that differ from the reference's put in: a function that passes its own test
+alone but fails once the model calls it (a norm's forward that calls the norm, which is itself
+once installed) is named there.
 """
 
 import argparse
@@ -96,13 +105,19 @@ def shapes(text):
     return found
 
 
+def first_hint(blank):
+    """What `start` lists and the emptied function raises: the nudge, or the one hint."""
+    return blank.nudge or blank.hint
+
+
 def stub(blank, indent, shape_list):
     """What a blanked body holds: its shapes in one comment, and the raise with the hint."""
     lines = []
     if shape_list:
         label = "" if len(shape_list) == 1 else "shapes: "
         lines.append(f"{indent}# {label}{', '.join(shape_list)}\n")
-    message = f"write {blank.name}: {blank.hint}"
+    more = " (how: exercise.py hint)" if blank.nudge else ""
+    message = f"write {blank.name}: {first_hint(blank)}{more}"
     one_line = f'{indent}raise NotImplementedError("{message}")\n'
     if len(one_line) <= WIDTH + 1:
         return [*lines, one_line]
@@ -183,12 +198,9 @@ def shown(folder):
 
 def start(number, out):
     step = step_with_exercise(number)
-    folder = Path(out or Path("exercises") / step.folder)
-    if folder.name != step.folder:
-        raise Refused(
-            f"--out {folder}: name the copy like the step's folder, {folder.parent / step.folder}: "
-            "that name is how the tests know which step it stands in for"
-        )
+    folder = Path(out or "exercises")
+    if folder.name != step.folder:  # the folder the copy goes in; the copy keeps the step's name
+        folder = folder / step.folder
     if folder.exists():
         raise Refused(f"{folder} exists: grade it, restore it, or remove it first")
     reference = ROOT / step.folder
@@ -215,8 +227,13 @@ def start(number, out):
         if blank.file != file:
             file = blank.file
             print(f"  {file}")
-        line = f"{i:5}. {blank.name}: {blank.hint}"
+        line = f"{i:5}. {blank.name}: {first_hint(blank)}"
         print(textwrap.fill(line, WIDTH, subsequent_indent=" " * 11))
+        for trap in blank.traps:
+            print(textwrap.fill(f"trap: {trap}", WIDTH, initial_indent=" " * 11,
+                                subsequent_indent=" " * 17))  # fmt: skip
+    if any(blank.nudge for blank in step.blanks):
+        print(f"a hint:     python tools/exercise.py hint {shown(folder)} NAME")
     print(f"grade it:   python tools/exercise.py grade {shown(folder)}")
     print(f"your diff:  python tools/exercise.py diff {shown(folder)}")
     print(f"a function back as it was: python tools/exercise.py restore {shown(folder)} NAME")
@@ -278,10 +295,11 @@ def run_graded(folder, nodes, stop_first=True):
 ENDS = ("Traceback", "During handling", "The above exception", "launch.py:", "[rank")
 
 
-def summarize(message, folder):
+def summarize(message, folder, line_numbers=True):
     """What a failure says that a learner reads first: the error a rank raised (its rank, and the
     line of the learner's code it came from, when it is no check of the tests), or the test's own
-    assertion."""
+    assertion. `line_numbers`: False where `folder` is not the learner's copy but a mix of it and
+    the reference (its lines are numbered otherwise)."""
     lines = message.splitlines()
     rank = re.search(r"-- Process (\d+) terminated", message)
     rank = f"rank {rank.group(1)}: " if rank else ""
@@ -307,16 +325,15 @@ def summarize(message, folder):
     mine = [n for n, frame in enumerate(frames) if f'File "{where}/' in frame]
     if mine:
         frame, code = frames[mine[-1]], frames[mine[-1] + 1].strip()
-        file, line = re.search(r'File "([^"]+)", line (\d+)', frame).groups()
-        text += f"\n  at {Path(file).name}:{line}: {code}"
+        file, line, function = re.search(r'File "([^"]+)", line (\d+), in (\S+)', frame).groups()
+        place = f"{Path(file).name}:{line}" if line_numbers else f"{Path(file).name}, {function}"
+        text += f"\n  at {place}: {code}"
     return rank + text
 
 
-def grade(folder):
-    step = open_copy(folder)
-    nodes = step.graded
-    print(f"grading {shown(folder)} with step {step.number}'s tests, smallest first")
-    results, status, output = run_graded(folder, nodes)
+def report(nodes, results, output, folder):
+    """Print each of `nodes`' outcome, in order, up to the first that did not pass: (how many
+    passed, the node that failed or None)."""
     passed = 0
     for node in nodes:
         name = node.split("::")[-1]
@@ -332,12 +349,124 @@ def grade(folder):
             others = [m for n, (o, m) in results.items() if n not in nodes and o != "passed"]
             why = summarize(others[0], folder) if others else output[-3000:]
         print(textwrap.indent(why, " " * 10))
-        break
+        return passed, node
+    return passed, None
+
+
+def mixed_copy(folder, step, yours, into):
+    """`into`/<step folder>: the learner's copy with every function of the exercise but those
+    named in `yours` put back as the reference has them, and `into`/assets."""
+    mixed = into / step.folder
+    shutil.copytree(folder, mixed, ignore=shutil.ignore_patterns("__pycache__", MARK))
+    reference = ROOT / step.folder
+    for file in dict.fromkeys(b.file for b in step.blanks):
+        source, theirs = (mixed / file).read_text(), (reference / file).read_text()
+        for blank in (b for b in step.blanks if b.file == file and b.name not in yours):
+            source = put_back(source, theirs, blank.name, file)
+        (mixed / file).write_text(source)
+    (into / "assets").symlink_to(ROOT / "assets", target_is_directory=True)
+    return mixed
+
+
+def check_installed(folder, step, node):
+    """Run `node` on the step's code with only your functions installed by it (those that differ
+    from the reference's) put in; when it fails, each of them alone, to name the one that fails
+    once the model calls it. True when it passes (or nothing of yours is installed there)."""
+    reference = ROOT / step.folder
+    yours = []
+    for blank in (b for b in step.blanks if b.installed == node):
+        mine = function_text((folder / blank.file).read_text(), blank.name, blank.file)
+        if mine != function_text((reference / blank.file).read_text(), blank.name, blank.file):
+            yours.append(blank.name)
+    if not yours:
+        return True
+    test = node.split("::")[-1]
+    tries = [yours] + ([[name] for name in yours] if len(yours) > 1 else [])
+    failed = None
+    for names in tries:
+        with tempfile.TemporaryDirectory() as tmp:
+            mixed = mixed_copy(folder, step, names, Path(tmp))
+            results, _, output = run_graded(mixed, [node])
+            outcome, message = results.get(node, ("error", output[-3000:]))
+            if outcome == "passed":
+                if names is yours:
+                    print(f"  passed  {test} with {', '.join(yours)} yours, the rest the step's")
+                    return True
+                continue
+            failed = (names, summarize(message, mixed, line_numbers=False))
+            if names is not yours:
+                break  # the first that fails alone
+    names, why = failed
+    one = len(names) == 1
+    print(f"  FAILED  {test} with {', '.join(names)} yours, the rest the step's")
+    print(
+        f"          {' and '.join(names)}: {'it passed its' if one else 'they passed their'} own "
+        f"tests, and {'fails' if one else 'fail'} inside the model the step's plan builds"
+    )
+    print(textwrap.indent(why, " " * 10))
+    return False
+
+
+def grade(folder):
+    step = open_copy(folder)
+    nodes = step.graded
+    installed = {blank.installed for blank in step.blanks if blank.installed}
+    print(f"grading {shown(folder)} with step {step.number}'s tests, smallest first")
+    # The graded tests in runs of one pytest each, cut before each test that functions are
+    # installed in: that test first runs with only them yours.
+    passed, failed, run, alone = 0, None, [], False
+    for node in [*nodes, None]:
+        if node is not None and node not in installed:
+            run.append(node)
+            continue
+        if run:
+            results, _, output = run_graded(folder, run)
+            done, failed = report(run, results, output, folder)
+            passed, run = passed + done, []
+            if failed is not None:
+                break
+        if node is None:
+            break
+        if not check_installed(folder, step, node):
+            failed, alone = node, True
+            break
+        run.append(node)
     print(f"{passed} of {len(nodes)} graded tests pass")
-    if passed < len(nodes):
-        test = f"{shown(ROOT / node.split('::')[0])}::{node.split('::', 1)[1]}"
+    if failed is not None and not alone:  # (a failure installed: no command shows it whole)
+        test = f"{shown(ROOT / failed.split('::')[0])}::{failed.split('::', 1)[1]}"
         print(f"the whole report: python -m pytest --step {shown(folder)} '{test}'")
     return 0 if passed == len(nodes) else 1
+
+
+# ---- Hints -------------------------------------------------------------------------------------
+
+
+def hint(folder, name):
+    """How to write `name`, or the first function of the exercise not written yet, and its traps."""
+    step = open_copy(folder)
+    names = [b.name for b in step.blanks]
+    if name is not None and name not in names:
+        raise Refused(
+            f"{name} is not a function of step {step.number}'s exercise: {', '.join(names)}"
+        )
+    if name is None:
+        reference = ROOT / step.folder
+        for blank in step.blanks:
+            mine = function_text((folder / blank.file).read_text(), blank.name, blank.file)
+            emptied = blank_out((reference / blank.file).read_text(), blank)
+            if mine == function_text(emptied, blank.name, blank.file):
+                name = blank.name
+                break
+        else:
+            print(f"{shown(folder)}: every function is written; name one for its hint")
+            return 0
+    blank = next(b for b in step.blanks if b.name == name)
+    print(
+        textwrap.fill(f"{blank.name} ({blank.file}): {blank.hint}", WIDTH, subsequent_indent="  ")
+    )
+    for trap in blank.traps:
+        print(textwrap.fill(f"trap: {trap}", WIDTH, initial_indent="  ", subsequent_indent="    "))
+    return 0
 
 
 # ---- Diff and restore --------------------------------------------------------------------------
@@ -408,9 +537,18 @@ def main():
     commands = parser.add_subparsers(dest="command", required=True)
     begin = commands.add_parser("start", help="copy a step with its technique to write")
     begin.add_argument("step", type=int, help="the step's number")
-    begin.add_argument("--out", help="the copy's folder (default: exercises/<step folder>)")
+    begin.add_argument(
+        "--out",
+        help="the folder the copy goes in, as DIR/<step folder> (default: exercises); a DIR named "
+        "like the step's folder is the copy itself",
+    )
     for command, text in [("grade", "run the graded tests"), ("diff", "yours against ours")]:
         commands.add_parser(command, help=text).add_argument("dir", type=Path)
+    more = commands.add_parser("hint", help="how to write a function, and its traps")
+    more.add_argument("dir", type=Path)
+    more.add_argument(
+        "name", nargs="?", help="one function (Class.method); default: the first left"
+    )
     back = commands.add_parser("restore", help="put the reference's functions back")
     back.add_argument("dir", type=Path)
     back.add_argument("name", nargs="?", help="one function (Class.method); default: all")
@@ -422,6 +560,8 @@ def main():
             return grade(args.dir)
         if args.command == "diff":
             return diff(args.dir)
+        if args.command == "hint":
+            return hint(args.dir, args.name)
         return restore(args.dir, args.name)
     except Refused as error:
         print(f"exercise.py: {error}", file=sys.stderr)

@@ -4,18 +4,20 @@
     python step3_dataloader/train.py --dataset_name data/tinytales
 
 Each split's documents are tokenised in order by --num_proc processes, each document followed by
-the end-of-text token, and written as one flat array of token ids (uint16 when the vocabulary
-fits, else uint32), cut into shards of about --shard_tokens tokens that end where a batch of
+the end-of-text token, and written as one flat array of token ids (uint16 when the tokenizer's
+ids fit, else uint32), cut into shards of about --shard_tokens tokens that end where a batch of
 documents ends: train_000000.bin, train_000001.bin, ..., validation_000000.bin. shards.json,
-written last, names the tokenizer, its vocabulary size and fingerprint, the dtype, and each
-shard's tokens and CRC-32; the trainer refuses shards of another tokenizer or cut short. The bytes
-do not depend on --num_proc.
+written last, names the tokenizer, its vocabulary size and fingerprint, the dtype, the largest
+token id written, and each shard's tokens, CRC-32 and largest id; the trainer refuses shards of
+another tokenizer, cut short, damaged (a shard's CRC-32 is checked before its rows are read), or
+with ids the model's vocabulary does not hold. The bytes do not depend on --num_proc.
 
 A local dataset is split as the trainer splits it (its validation split, or 1 % of train held out
 with --seed); a hub dataset is streamed (it never has to fit in memory or on disk; that needs the
 network), and without a validation split every 100th document is held out. A run stopped midway
 goes on from its last whole shard when started again with the same flags (a stream reads the
-documents before that point again, and skips them); a finished folder is checked and left as it is.
+documents before that point again, and skips them); a finished folder is checked and left as it is,
+but for the largest token id, added to a shards.json written before it was recorded.
 """
 
 # N tokens
@@ -36,8 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "step3_dataloader"))  # the trainer's own tokenizer and splits
 
 from dataloader import (  # noqa: E402
+    PROGRESS,
     SHARD_INDEX,
     fingerprint,
+    largest_id,
     load_splits,
     load_tokenizer,
     open_stream,
@@ -45,7 +49,6 @@ from dataloader import (  # noqa: E402
     shard_dtype,
 )
 
-PROGRESS = "progress.json"  # while shards are being written: what is done, to go on from
 BATCH = 256  # documents per task of a tokenising process; a shard ends at a batch's end
 
 
@@ -193,20 +196,31 @@ def write_shard(out, state, split, tokens, documents):
     data = tokens.astype(state["settings"]["dtype"]).tobytes()
     name = f"{split}_{len(done['shards']):06d}.bin"
     write_atomic(out / name, data)
-    done["shards"].append({"file": name, "tokens": len(tokens), "crc32": zlib.crc32(data)})
+    largest = int(tokens.max())  # within the dtype, chosen from the tokenizer's largest id
+    assert largest <= np.iinfo(state["settings"]["dtype"]).max, largest
+    record = {"file": name, "tokens": len(tokens), "crc32": zlib.crc32(data)}
+    done["shards"].append({**record, "max_token_id": largest})
     done["documents"] += documents
     write_atomic(out / PROGRESS, json.dumps(state).encode())
 
 
 def check_shards(out, index):
-    """Every shard of a finished folder there, whole, and with its checksum."""
+    """Every shard of a finished folder there, whole, and with its checksum; the largest token id
+    of each is recorded if it was not."""
     for shard in (s for split in index["splits"].values() for s in split):
         path = out / shard["file"]
-        if not path.is_file() or zlib.crc32(path.read_bytes()) != shard["crc32"]:
+        data = path.read_bytes() if path.is_file() else None
+        if data is None or zlib.crc32(data) != shard["crc32"]:
             raise ValueError(
                 f"{path} is missing or not what {SHARD_INDEX} says (its CRC-32 differs): "
                 f"remove the folder and prepare it again"
             )
+        shard.setdefault("max_token_id", int(np.frombuffer(data, index["dtype"]).max()))
+    largest = max(s["max_token_id"] for split in index["splits"].values() for s in split)
+    if index.get("max_token_id") != largest:  # a folder written before it was recorded
+        index["max_token_id"] = largest
+        write_atomic(out / SHARD_INDEX, json.dumps(index, indent=1).encode())
+        print(f"{out / SHARD_INDEX}: recorded its largest token id, {largest}")
 
 
 def start_state(args, settings):
@@ -240,7 +254,7 @@ def prepare(args):
         "tokenizer": args.tokenizer_name,
         "vocab_size": len(tokenizer),
         "fingerprint": fingerprint(tokenizer),
-        "dtype": shard_dtype(len(tokenizer)),
+        "dtype": shard_dtype(largest_id(tokenizer) + 1),
         "shard_tokens": args.shard_tokens,
         "seed": args.seed,
         "streaming": args.streaming,
@@ -270,6 +284,9 @@ def prepare(args):
     for split, shards in index["splits"].items():
         if not sum(s["tokens"] for s in shards):
             raise ValueError(f"the dataset's {split} split has no documents")
+        for shard in (s for s in shards if "max_token_id" not in s):  # in an older progress.json
+            shard["max_token_id"] = int(np.fromfile(out / shard["file"], settings["dtype"]).max())
+    index["max_token_id"] = max(s["max_token_id"] for v in index["splits"].values() for s in v)
     write_atomic(out / SHARD_INDEX, json.dumps({"settings": settings, **index}, indent=1).encode())
     (out / PROGRESS).unlink()
     for split, shards in index["splits"].items():

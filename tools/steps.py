@@ -76,12 +76,21 @@ def step_files(root: Path, step: Path) -> list[str]:
 @dataclass(frozen=True)
 class Blank:
     """A function of a step's exercise (tools/exercise.py): `name` in the step's file `file` (a
-    function, or `Class.method`), whose body the learner writes; `hint` is what it says when
-    called before it is written."""
+    function, or `Class.method`), whose body the learner writes. `hint`: how to write it, call by
+    call. With a `nudge` (what the function is for, not how), hints come in two levels: the
+    emptied function raises the nudge and `start` lists it, and `hint` is shown only when asked
+    (`exercise.py hint DIR NAME`); without one, `hint` is what both show. `traps`: what a
+    reasonable first try gets wrong, said up front. `installed`: a graded test that runs the
+    function inside the model that the step's plan builds; the grader runs it on the step's code
+    with only this function (and the others installed by it) the learner's, before that test on
+    the learner's whole copy."""
 
     file: str
     name: str
     hint: str
+    nudge: str = ""
+    traps: tuple[str, ...] = ()
+    installed: str = ""
 
 
 @dataclass(frozen=True)
@@ -349,6 +358,16 @@ CP_GRADED = (
     "tests/test_comm_stats.py::test_context_parallel_passes_key_value_blocks_around_the_ring",
     f"{CP_TESTS}test_trains_like_step3[cp2]",
 )  # fmt: skip
+# The graded tests that run a function inside the model a step's plan builds (Blank.installed).
+IN_ZERO3_FORWARD = "tests/test_zero3.py::test_piece_matches_one_process[step12-forward]"
+IN_ZERO3_BACKWARD = "tests/test_zero3.py::test_piece_matches_one_process[step12-backward]"
+IN_SP_MODEL = "tests/test_sequence_parallel.py::test_piece_matches_one_process[step13-model]"
+IN_RECOMPUTE_MODEL = (
+    "tests/test_sequence_parallel.py::test_piece_matches_one_process[step13-apply_recompute]"
+)
+IN_ZB_MODEL = (
+    "tests/test_pipeline_schedules.py::test_b_then_w_gives_autograds_gradients[step14-model]"
+)
 # Step 12: ZeRO-2's buckets that live while they travel; then ZeRO-3: each rank's rows, a unit's
 # whole weights gathered, used and freed, its gradient reduce-scattered, the hooks around each
 # unit's forward and backward, and the norm from the pieces.
@@ -357,43 +376,127 @@ ZERO3_BLANKS = (
     Blank(ZERO, "DataParallelZero1._accumulate_grad",
           "stage 1: DataParallelBucket's; stage 2, every micro-batch: wait for the bucket if it "
           "travels, allocate, add grad into main_grad and drop it, tell the timeline, mark it "
-          "ready; once it leaves, wait for the others"),
+          "ready; once it leaves, wait for the others",
+          nudge="stage 2 keeps a bucket's whole buffer only while it travels: every micro-batch "
+          "fills it and sends it; stage 1 stays step 10's",
+          traps=(
+              "a bucket may still be on its way from the last micro-batch when this one's first "
+              "gradient reaches it: wait for it before filling it again",
+          ),
+    ),
     Blank(ZERO, "ShardedBucket.wait",
           "stage 1: Bucket's wait; stage 2, while a whole buffer exists: wait, add the shard that "
           "arrived to grad_shard, then drop the buffer, received, the handle, ready and each "
-          "main_grad"),
+          "main_grad",
+          nudge="what arrives is this micro-batch's average of your shard: the earlier "
+          "micro-batches' are in grad_shard already",
+          traps=(
+              "overwriting grad_shard instead of adding to it passes with one micro-batch and "
+              "fails with two",
+          ),
+    ),
     Blank(FSDP, "shard_parameters",
           "a Split on dim 0 per axis of more than one rank; each parameter: a ValueError unless "
           "they divide its rows, then its record extended and a meta Parameter of its rows; "
-          "init_piece where no init_parameter"),
+          "init_piece where no init_parameter",
+          nudge="before any weight exists, each parameter gets its 1/R of the rows: in its "
+          "placement record, and as a meta Parameter of that size",
+          traps=(
+              "R is every shard axis's size multiplied (dp and cp), not dp alone",
+          ),
+          installed=IN_ZERO3_FORWARD,
+    ),
     Blank(FSDP, "Unit.free",
           "resize the whole weights' storage to 0 (the views autograd saved stay, empty); not "
-          "gathered"),
+          "gathered",
+          nudge="give back the whole weights' memory without taking away the tensor that autograd "
+          "saved views of",
+          traps=(
+              "dropping the Python reference frees nothing while autograd holds views of it: the "
+              "storage itself must shrink",
+          ),
+          installed=IN_ZERO3_FORWARD,
+    ),
     Blank(FSDP, "Unit.start_gather",
           "unless gathered or on its way: received, R shards, filled by an asynchronous "
-          "all-gather of shard, its handle in self.handle (at R 1: a copy, nothing to wait for)"),
+          "all-gather of shard, its handle in self.handle (at R 1: a copy, nothing to wait for)",
+          nudge="start the unit's all-gather without waiting for it; a second call while it "
+          "travels does nothing",
+          traps=(
+              "at R 1 there is nothing to send and no handle to wait for",
+          ),
+          installed=IN_ZERO3_FORWARD,
+    ),
     Blank(FSDP, "Unit.gather",
           "unless gathered: start_gather and wait; full's memory back; each piece's R blocks of "
-          "rows, one per rank, at R times its offset; drop received; gathered"),
+          "rows, one per rank, at R times its offset; drop received; gathered",
+          nudge="the all-gather's buffer is laid out rank by rank; each parameter's whole rows "
+          "must be put together from its block in every rank's part",
+          traps=(
+              "a parameter's whole rows are not one run of the gathered buffer: they are R "
+              "blocks, one in each rank's shard",
+          ),
+          installed=IN_ZERO3_FORWARD,
+    ),
     Blank(FSDP, "Unit.use_whole",
           "each piece's whole parameter, a view of full at R times its offset, R times its rows; "
-          "each use's module._parameters[name] becomes it"),
+          "each use's module._parameters[name] becomes it",
+          nudge="the modules must compute with views of the gathered weights, not with their "
+          "pieces",
+          traps=(
+              "a tied weight has two uses, and autograd must see the view in the module's "
+              "_parameters, not in an attribute of its own",
+          ),
+          installed=IN_ZERO3_FORWARD,
+    ),
     Blank(FSDP, "Unit.reduce_scatter",
           "full.grad as R rows of shards (a parameter's block r of rows at its place in row r), "
           "divided by R, reduce-scattered; add each run to its piece's .grad; measure, drop "
-          "full.grad, free"),
+          "full.grad, free",
+          nudge="gather's opposite: lay the whole gradient out as the ranks' shards, average over "
+          "the ranks, and keep your own",
+          traps=(
+              "summed instead of averaged, the losses look the same (AdamW and clipping hide a "
+              "factor of R): only the gradients' size shows it",
+          ),
+          installed=IN_ZERO3_BACKWARD,
+    ),
     Blank(FSDP, "FullyShardedDataParallel.before_forward",
           "gather the unit, start the next one's all-gather (after: prefetch), measure, then its "
-          "modules use the whole weights"),
+          "modules use the whole weights",
+          nudge="this unit must be here before it computes, and the next one already on its way",
+          traps=(
+              "without the prefetch the logits are still right, and the forward's test fails all "
+              "the same: it checks that the next unit was asked for early",
+          ),
+    ),
     Blank(FSDP, "FullyShardedDataParallel.after_forward",
           "the pieces back and the whole weights freed; if backward will come (grad enabled, "
-          "output requires grad), before_backward as a hook on output's gradient"),
+          "output requires grad), before_backward as a hook on output's gradient",
+          nudge="the whole weights go as soon as the unit's forward is done; backward will want "
+          "them again",
+          traps=(
+              "under torch.no_grad (evaluation, sampling), or for an output that needs no "
+              "gradient, no backward comes to hook",
+          ),
+    ),
     Blank(FSDP, "FullyShardedDataParallel.before_backward",
           "gather the unit again, start the one before's all-gather (prefetch), measure; the "
-          "gradient passes unchanged"),
+          "gradient passes unchanged",
+          nudge="backward has reached the unit: its weights must be back, and the unit before it "
+          "asked for",
+          traps=(
+              "a hook on a tensor's gradient replaces the gradient with what it returns",
+          ),
+    ),
     Blank(FSDP, "FullyShardedDataParallel.clip_grad_norm",
           "grad_norm of the .grad of the pieces tied counts, each over its placed axes, summed "
-          "over tp, pp and the shard axes; scale every .grad as torch does"),
+          "over tp, pp and the shard axes; scale every .grad as torch does",
+          nudge="one norm for the whole model, from the pieces the ranks hold",
+          traps=(
+              "a tied weight held on two stages counts once",
+          ),
+    ),
 )  # fmt: skip
 ZERO3_TESTS = "tests/test_zero3.py::"
 ZERO3_GRADED = (
@@ -412,35 +515,107 @@ SP, RECOMPUTE = "sequence_parallel.py", "recompute.py"
 SP_BLANKS = (
     Blank(SP, "gather_sequence",
           "at tp 1, x; else the sequence dim to the front, contiguous, all_gather_single into tp "
-          "times the tokens, and back"),
+          "times the tokens, and back",
+          nudge="every rank's tokens, side by side along the sequence, on every rank",
+          traps=(
+              "the collective lays the ranks' pieces one after the other along dim 0, and dim 0 "
+              "is the batch",
+          ),
+          installed=IN_SP_MODEL,
+    ),
     Blank(SP, "reduce_scatter_sequence",
           "at tp 1, x; else the sequence dim to the front, contiguous, reduce_scatter_single into "
-          "a tp-th of the tokens, and back"),
-    Blank(SP, "GatherSequence.forward", "keep the group in ctx; gather_sequence"),
+          "a tp-th of the tokens, and back",
+          nudge="the sum of the ranks' partial results, each rank keeping its own tokens",
+          traps=(
+              "the collective cuts along dim 0, and dim 0 is the batch",
+          ),
+          installed=IN_SP_MODEL,
+    ),
+    Blank(SP, "GatherSequence.forward",
+          "keep the group in ctx; gather_sequence",
+          nudge="f under sequence parallelism, forward: the sequence made whole",
+          installed=IN_SP_MODEL,
+    ),
     Blank(SP, "GatherSequence.backward",
           "each rank's gradient is a partial sum for every token: reduce_scatter_sequence it "
-          "(None for the group)"),
-    Blank(SP, "ScatterSequence.forward", "keep the group in ctx; reduce_scatter_sequence"),
+          "(None for the group)",
+          nudge="each rank's gradient covers every token, but only its own heads' or MLP slice's "
+          "share: what makes it this rank's tokens, summed?",
+          installed=IN_SP_MODEL,
+    ),
+    Blank(SP, "ScatterSequence.forward",
+          "keep the group in ctx; reduce_scatter_sequence",
+          nudge="g under sequence parallelism, forward: the partial sums added, each rank keeping "
+          "its tokens",
+          installed=IN_SP_MODEL,
+    ),
     Blank(SP, "ScatterSequence.backward",
           "every rank's partial sum met every token: gather_sequence the gradient (None for the "
-          "group)"),
+          "group)",
+          nudge="each rank's output gradient holds its own tokens; the input met every token",
+          installed=IN_SP_MODEL,
+    ),
     Blank(SP, "norm_forward",
           "RMSNorm's forward on this rank's tokens, the weight in _parameters swapped for "
-          "Copy.apply(weight, tp_group) for the call, put back even on an error"),
+          "Copy.apply(weight, tp_group) for the call, put back even on an error",
+          nudge="the norm meets this rank's tokens only, so its weight's gradient is one part of "
+          "a sum over tp",
+          traps=(
+              "once apply_sequence_parallel has installed it, `norm.forward` and `norm(x)` are "
+              "this function: calling either recurses for ever (the model's own is "
+              "RMSNorm.forward)",
+              "the norm's weight must be its parameter again after the call, even when the call "
+              "raises",
+          ),
+          installed=IN_SP_MODEL,
+    ),
     Blank(SP, "set_sequence_parallel",
           "on each RowParallelLinear and VocabParallelEmbedding g: ScatterSequence if on, else "
-          "Reduce; on each RMSNorm f: GatherSequence or Copy"),
+          "Reduce; on each RMSNorm f: GatherSequence or Copy",
+          nudge="choose f and g on every layer that has them, for the mode asked",
+          traps=(
+              "it must switch both ways: sampling turns sequence parallelism off and on again",
+          ),
+    ),
     Blank(SP, "apply_sequence_parallel",
           "set_sequence_parallel on; every RMSNorm's forward becomes norm_forward bound to it; "
-          "return the model"),
+          "return the model",
+          nudge="put norm_forward in place of every norm's forward",
+          traps=(
+              "bind it to each norm, not to the class: the class is every model's",
+          ),
+    ),
     Blank(RECOMPUTE, "recompute",
-          "torch.utils.checkpoint's checkpoint of function on args, non-reentrant"),
+          "torch.utils.checkpoint's checkpoint of function on args, non-reentrant",
+          nudge="keep only the inputs, and run the function again when backward needs what it "
+          "computed",
+          traps=(
+              "torch.utils.checkpoint has two variants: the tests want the non-reentrant one",
+          ),
+          installed=IN_RECOMPUTE_MODEL,
+    ),
     Blank(RECOMPUTE, "RecomputeAttention.__torch_function__",
           "F.scaled_dot_product_attention under a checkpoint (its kwargs bound by partial); any "
-          "other function called as it was"),
+          "other function called as it was",
+          nudge="a function mode sees every torch call in its scope: attention's goes through a "
+          "checkpoint, every other call as it came",
+          traps=(
+              "attention's keyword arguments (is_causal, enable_gqa) must reach the recomputed "
+              "call too",
+          ),
+          installed=IN_RECOMPUTE_MODEL,
+    ),
     Blank(RECOMPUTE, "apply_recompute",
           "none: the model as it is; else each layer's own forward wrapped: full, "
-          "partial(recompute, forward); selective, partial(selective, forward)"),
+          "partial(recompute, forward); selective, partial(selective, forward)",
+          nudge="each layer's own forward, wrapped inside the layer's call",
+          traps=(
+              "after keep_stage (step 7) the layers are an nn.ModuleDict: `for layer in "
+              "model.model.layers` walks its keys, strings; walk `.values()`",
+              "wrap `layer.forward`, not the layer: a wrapper module would rename every parameter",
+          ),
+    ),
 )  # fmt: skip
 SP_TESTS = "tests/test_sequence_parallel.py::"
 SP_GRADED = (
@@ -461,37 +636,93 @@ SCHEDULES_BLANKS = (
     Blank(PP, "interleaved_1f1b",
           "every rank's i-th forward: group, place = divmod(i, pp_size x chunks), micro-batch "
           "group x pp_size + place % pp_size, chunk place // pp_size (the backwards' reversed); "
-          "rank r warms up with min((chunks - 1) pp_size + 2 (pp_size - r - 1), m x chunks), "
-          "then F B, then the B's left"),
+          "rank r warms up with min((chunks - 1) pp_size + 2 (pp_size - r - 1), m x chunks), then "
+          "F B, then the B's left",
+          nudge="every rank runs the forwards in one order, p micro-batches at a time through "
+          "each chunk, and the backwards in the same groups with the chunks reversed; the warm-up "
+          "lasts until the first gradient can be back",
+          traps=(
+              "the backwards' chunks go in reverse: given the forwards' order they deadlock "
+              "(exercise 2)",
+          ),
+    ),
     Blank(PP, "frees",
           "the kind after which a micro-batch's activations are gone: W where the actions have "
-          "one, else B"),
+          "one, else B",
+          nudge="which action ends a micro-batch's hold on its activations?",
+    ),
     Blank(PP, "held",
-          "the peak of a count that an F adds 1 to and the kind that frees takes 1 from"),
+          "the peak of a count that an F adds 1 to and the kind that frees takes 1 from",
+          nudge="count the micro-batches in flight, action by action, and keep the peak",
+    ),
     Blank(PP, "zero_bubble_h1",
           "1F1B's warm-up; in the steady state F B, and from rank r's (r + 1)-th on the oldest "
-          "pending W; in the cool-down each B k, a W after it where k >= r; then the W's left"),
+          "pending W; in the cool-down each B k, a W after it where k >= r; then the W's left",
+          nudge="1F1B's order, each W kept back until the rank would otherwise wait",
+          traps=(
+              "rank r keeps r W's back: its first W comes only with its (r + 1)-th forward and "
+              "backward of the steady state",
+          ),
+    ),
     Blank(PP, "gradient_group",
           "a new group for every pipeline (group_ranks along pp), made by every rank in the same "
-          "order with pgm's timeout; return this rank's"),
+          "order with pgm's timeout; return this rank's",
+          nudge="the gradients need a group of their own between the same two neighbours",
+          traps=(
+              "every rank makes every pipeline's group, in the same order, even those it is not "
+              "in",
+          ),
+    ),
     Blank(ZB, "hand_over",
           "outside deferred: torch.autograd.backward(weight, compute()) now; within: append to "
-          "_pending a closure that does it"),
+          "_pending a closure that does it",
+          nudge="a weight's gradient is given to its parameter now, or kept for W",
+          installed=IN_ZB_MODEL,
+    ),
     Blank(ZB, "Linear.forward",
-          "save x and the detached weight, keep the parameter (out of its tuple) in ctx; "
-          "F.linear"),
+          "save x and the detached weight, keep the parameter (out of its tuple) in ctx; F.linear",
+          nudge="keep what B and W will read, and let no edge of the graph reach the parameter",
+          installed=IN_ZB_MODEL,
+    ),
     Blank(ZB, "Linear.backward",
           "in the gradient's dtype: hand_over the parameter grad_y^T x over the flattened tokens "
-          "(in the weight's dtype); return grad_y W (in x's dtype), None, None"),
+          "(in the weight's dtype); return grad_y W (in x's dtype), None, None",
+          nudge="B gives the input's gradient now; the weight's is handed over for W",
+          traps=(
+              "autograd computes the weight's gradient in the gradient's dtype: cast up, it "
+              "passes in fp32 and fails under bf16 autocast",
+          ),
+          installed=IN_ZB_MODEL,
+    ),
     Blank(ZB, "Lookup.backward",
           "hand_over the parameter aten.embedding_backward of grad and the ids (the table's rows, "
-          "the padding index or -1, unscaled, dense); no gradient for any input"),
+          "the padding index or -1, unscaled, dense); no gradient for any input",
+          nudge="the embedding's whole backward is its table's gradient: hand it over",
+          traps=(
+              "the pad row gets no gradient: the padding index, or -1 where there is none",
+          ),
+          installed=IN_ZB_MODEL,
+    ),
     Blank(ZB, "Hold.backward",
-          "B computed the weight's gradient: hand_over it to the parameter as it is; None, None"),
+          "B computed the weight's gradient: hand_over it to the parameter as it is; None, None",
+          nudge="B has computed the norm weight's gradient already: hold it until W",
+          traps=(
+              "returning None, None without handing it over drops the gradient quietly (exercise "
+              "4)",
+          ),
+          installed=IN_ZB_MODEL,
+    ),
     Blank(ZB, "apply_zero_bubble",
           "on every layer whose `linear` is F.linear (the tensor-parallel ones), linear; on the "
           "vocabulary's embedding, lookup; each RMSNorm's forward, held_norm_forward around its "
-          "own; check that no nn.Linear is left without; return the model"),
+          "own; check that no nn.Linear is left without; return the model",
+          nudge="swap the split functions in wherever a layer computes a linear or a lookup, and "
+          "around every norm's forward",
+          traps=(
+              "after keep_stage the layers are an nn.ModuleDict: walk `model.modules()` or the "
+              "dict's `.values()`",
+          ),
+    ),
 )  # fmt: skip
 SCHEDULES_TESTS = "tests/test_pipeline_schedules.py::"
 SCHEDULES_GRADED = (
@@ -554,8 +785,10 @@ STEPS = [
          blanks=PGM_BLANKS, graded=PGM_GRADED),
     Step("step3_dataloader",
          ("dataloader.py", "checkpoint.py", "comm_stats.py", "utils.py", "flags.py",
-          "bookkeeping.py", "kv_cache.py", "muon.py", "train.py", "README.md"),
-         ("comm_stats.py", "utils.py", "flags.py", "bookkeeping.py", "kv_cache.py", "muon.py"),
+          "bookkeeping.py", "recipes.py", "retention.py", "kv_cache.py", "muon.py", "train.py",
+          "README.md"),
+         ("comm_stats.py", "utils.py", "flags.py", "bookkeeping.py", "recipes.py", "retention.py",
+          "kv_cache.py", "muon.py"),
          memory={},
          bench={"kv_cache": 1}),
     Step("step4_tensor_parallel",
