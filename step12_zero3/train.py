@@ -144,6 +144,13 @@ def setup_distributed(args):
 
 
 ### end Process groups
+def check_layout(config, tp_size, pp_size):
+    """Refuse a layout this model cannot take, what build_model checks first: check_resume asks
+    it, to name the sizes that would work."""
+    check_tensor_parallel(config, tp_size)
+    check_pipeline_parallel(config, pp_size)
+
+
 def build_model(ctx, config):
     """Build on the meta device (no memory), allocate on `device`, then initialise from the seed."""
     args, device, dtype, pgm = ctx
@@ -317,7 +324,7 @@ def main(argv=None):
     # Per device: all world_size devices share the work of the step's tokens.
     flops = flops_per_token(config, args.seq_len) / pgm.world_size
     run = Run(args, device, flops, pgm, replicas=pgm.dp_size * pgm.cp_size)  # cp: same weights
-    checkpoint = check_resume(find_checkpoint(args), config, args)  # before any weight exists
+    checkpoint = check_resume(find_checkpoint(args), config, args, check_layout)  # no weight yet
     model = build_model(ctx, config)
     init_from_hf(model, args, resuming=checkpoint is not None)
     run.checkpoints.count = partial(checkpoint_bytes, model, pgm)  # each piece once

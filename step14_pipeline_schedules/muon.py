@@ -148,13 +148,18 @@ def muon_groups(model, args, shard=list):
 def make_optimizer(model, args, device, shard=list, on_whole=one_device):
     """--optimizer adamw: PyTorch's AdamW, weight decay on matrices only (not norms); muon: `Muon`
     over `muon_groups`. `shard`: what this rank updates of a list of parameters; `on_whole`: how
-    Muon gets whole matrices from this rank's pieces."""
+    Muon gets whole matrices from this rank's pieces. The optimizer says what it keeps for a
+    parameter (`state_names(name, ndim)`: `moments`), which a checkpoint asks."""
     if args.optimizer == "muon":
-        return Muon(muon_groups(model, args, shard), lr=args.learning_rate, on_whole=on_whole)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": shard([p for p in params if p.ndim >= 2]), "weight_decay": args.weight_decay},
-        {"params": shard([p for p in params if p.ndim < 2]), "weight_decay": 0.0},
-    ]
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)
+        optimizer = Muon(muon_groups(model, args, shard), lr=args.learning_rate, on_whole=on_whole)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = args.weight_decay
+        groups = [
+            {"params": shard([p for p in params if p.ndim >= 2]), "weight_decay": decay},
+            {"params": shard([p for p in params if p.ndim < 2]), "weight_decay": 0.0},
+        ]
+        fused = device.type in ("cuda", "cpu")
+        optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused)
+    optimizer.state_names = partial(moments, optimizer)
+    return optimizer

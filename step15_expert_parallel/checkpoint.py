@@ -29,6 +29,7 @@ are step 9's, and a run resumes with any dp_size and bucket size.
 import json
 import math
 import os
+import re
 import shutil
 import zipfile
 from itertools import combinations
@@ -39,12 +40,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moe import mixtral_name
-from muon import moments
-from pipeline_parallel import check_pipeline_parallel
 from placement import Held, first_holder, placed_parameters, starts
 from process_group_manager import AXES, NAMES
-from tensor_parallel import check_tensor_parallel
 from utils import log
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -66,6 +63,16 @@ def stored_name(name, config):
     if name == LM_HEAD and config.tie_word_embeddings:
         return EMBED
     return mixtral_name(name)  # a mixture of experts: under transformers' Mixtral names
+
+
+def mixtral_name(name):
+    """A parameter's name in a transformers Mixtral checkpoint: the layer's `mlp` is its
+    `block_sparse_moe`, an expert's gate_proj, up_proj and down_proj its w1, w3 and w2."""
+    name = re.sub(r"\.mlp\.(gate|experts)\.", r".block_sparse_moe.\1.", name)
+    return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.{W[m[2]]}", name)
+
+
+W = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def overlap(a, b):
@@ -349,12 +356,17 @@ def check_model(path, index, model, optimizer):
             f"{path} was trained with --optimizer {trained}, this run has --optimizer {this}: "
             f"resume it with --optimizer {trained}"
         )
-    missing = [
-        f"{name}.{s}" for name in full for s in [*moments(optimizer, name, len(full[name])), "step"]
-    ]
+    kept = state_names(optimizer)
+    missing = [f"{name}.{s}" for name in full for s in [*kept(name, len(full[name])), "step"]]
     missing = [key for key in missing if key not in index["optimizer"]]
     if missing:
         raise ValueError(f"{path}/index.json has no optimizer state {short(missing)}")
+
+
+def state_names(optimizer):
+    """What `optimizer` keeps for a parameter, `(name, ndim) -> [state names]`, as muon.py's
+    make_optimizer says; a plain AdamW (a test's) keeps its two moments."""
+    return getattr(optimizer, "state_names", lambda name, ndim: ["exp_avg", "exp_avg_sq"])
 
 
 def files_of(index):
@@ -421,18 +433,19 @@ def load_checkpoint(path, index, model, optimizer, scheduler, loader, zero):
     return trainer["step"], trainer["batch"]
 
 
-def check_resume(path, config, args):
+def check_resume(path, config, args, check_layout):
     """The checkpoint to resume (from `find_checkpoint`) and its index, checked before any weight
     exists: its files, and this layout against the config (the parameters are compared once the
-    model is built: `check_model`); None to start from step 0."""
+    model is built: `check_model`); None to start from step 0. `check_layout(config, tp_size,
+    pp_size)`: the step's refusal of a layout the model cannot take (train.py's)."""
     if path is None:
         return None
     index = check_checkpoint(path)
     try:  # build_model checks the same, but here the message can say what would work
-        check_tensor_parallel(config, args.tp_size)
-        check_pipeline_parallel(config, args.pp_size)
+        check_layout(config, args.tp_size, args.pp_size)
     except ValueError as error:
-        tp_sizes = [t for t in range(1, config.num_attention_heads + 1) if valid_tp(config, t)]
+        heads = range(1, config.num_attention_heads + 1)
+        tp_sizes = [t for t in heads if valid_tp(check_layout, config, t)]
         raise ValueError(
             f"cannot resume {path} at tp {args.tp_size} x pp {args.pp_size}: {error}. This "
             f"model takes tp_size in {tp_sizes} and pp_size up to {config.num_hidden_layers}"
@@ -440,9 +453,9 @@ def check_resume(path, config, args):
     return path, index
 
 
-def valid_tp(config, tp_size):
+def valid_tp(check_layout, config, tp_size):
     try:
-        check_tensor_parallel(config, tp_size)
+        check_layout(config, tp_size, 1)
     except ValueError:
         return False
     return True

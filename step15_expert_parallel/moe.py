@@ -41,7 +41,6 @@ the layer runs on, the backward that reaches its output starts the losses' own.
 
 # B batch, T tokens, D hidden, E experts, k experts per token, N = B T token rows
 
-import re
 from contextlib import contextmanager
 
 import torch
@@ -54,16 +53,6 @@ from tensor_parallel import Copy, Reduce, all_reduce
 from utils import log
 
 MODEL_TYPES = ("llama", "mixtral")  # the configs this step trains: Mixtral, a Llama with experts
-
-
-def mixtral_name(name):
-    """A parameter's name in a transformers Mixtral checkpoint: the layer's `mlp` is its
-    `block_sparse_moe`, an expert's gate_proj, up_proj and down_proj its w1, w3 and w2."""
-    name = re.sub(r"\.mlp\.(gate|experts)\.", r".block_sparse_moe.\1.", name)
-    return re.sub(r"(experts\.\d+)\.(gate|up|down)_proj", lambda m: f"{m[1]}.{W[m[2]]}", name)
-
-
-W = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def is_moe(config):

@@ -286,7 +286,9 @@ def test_a_layout_the_model_cannot_take_is_refused(reference, sizes, message):
     train = import_step(STEP, "train")
     args = train.parse_args([*SHAPE, *sizes, "--save_dir", str(reference[1].parent), "--resume"])
     with pytest.raises(ValueError, match=message) as error:
-        train.check_resume(train.find_checkpoint(args), train.load_config(args), args)
+        train.check_resume(
+            train.find_checkpoint(args), train.load_config(args), args, train.check_layout
+        )
     assert "This model takes tp_size in [1, 2, 4] and pp_size up to 2" in str(error.value)
 
 

@@ -5,6 +5,7 @@ the real repository: the patches are fresh, model.py is the same everywhere, eac
 the files it declares below, and the steps have no gaps.
 """
 
+import ast
 import os
 import re
 import shutil
@@ -443,3 +444,25 @@ def test_the_quick_tier_proves_every_step_and_the_tests_readme_lists_every_file(
     listed = re.findall(r"^\| \[(test_\w+\.py)\]", (ROOT / "tests" / "README.md").read_text(), re.M)
     files = sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
     assert sorted(listed) == files
+
+
+# What a checkpoint may know of a step: where each parameter lives (its placement record, the
+# grid's axes) and how to log; never a technique, whose knowledge reaches it through those records
+# and through what train.py hands it (the layout check, the optimizer's state names).
+CHECKPOINT_KNOWS = {"placement", "process_group_manager", "utils"}
+
+
+def test_checkpoint_imports_no_technique_module():
+    modules = {path.stem for step in step_folders(ROOT) for path in step.glob("*.py")}
+    wrong = {}
+    for step in step_folders(ROOT):
+        path = step / "checkpoint.py"
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        names = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        technique = sorted((names & modules) - CHECKPOINT_KNOWS)
+        if technique:
+            wrong[step.name] = technique
+    assert not wrong, f"checkpoint.py imports technique modules: {wrong}"
