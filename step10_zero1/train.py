@@ -32,6 +32,7 @@ from pipeline_parallel import (
     run_schedule,
 )
 from pipeline_timeline import NoTimeline, Timeline
+from placement import clip_grad_norm
 from process_group_manager import ProcessGroupManager, check_sizes
 from recipes import loss_scale, unscale, warmup_cosine
 from tensor_parallel import (
@@ -203,7 +204,7 @@ def train_step(ctx, state, micro_batches):
         model.timeline.report(args.bucket_size_mb, args.dp_timeline)
     ### begin ZeRO-1
     model.sum_tied_gradients(tied)  # the tied embedding's two copies, one gradient: before clipping
-    grad_norm = model.clip_grad_norm(args.grad_clip * scale, pgm, tied) / scale
+    grad_norm = clip_grad_norm(model.gradients(tied), args.grad_clip * scale, pgm) / scale
     # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing

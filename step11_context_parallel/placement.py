@@ -168,3 +168,38 @@ def grad_norm(pieces, pgm, axes, device=None):
     if used:
         dist.all_reduce(counted, group=pgm.group(*used)[0])
     return counted.sqrt()
+
+
+@dataclass
+class Gradients:
+    """This rank's gradients as clipping takes them: `pieces`, pairs (gradient, the axes it is
+    spread over) from which `grad_norm` makes the whole model's norm, each counted once; `grads`,
+    the tensors this rank updates with, all scaled; `axes`, those over which the pieces differ;
+    `device`, where the norm is summed (a rank may hold no piece)."""
+
+    pieces: list
+    grads: list
+    axes: tuple
+    device: torch.device | None = None
+
+
+def model_gradients(model, axes, counted=None):
+    """The gradients of `model`'s parameters, each a piece spread over its record's axes;
+    `counted`: the parameters the norm counts (all of `model`'s; a later step leaves out a
+    copy), every one clipped all the same."""
+    params = [p for p in placed_parameters(model) if p.param.grad is not None]
+    counted = {id(p) for p in (model if counted is None else counted).parameters()}
+    pieces = [(p.param.grad, p.axes) for p in params if id(p.param) in counted]
+    return Gradients(pieces, [p.param.grad for p in params], tuple(axes))
+
+
+def clip_grad_norm(gradients, max_norm, pgm):
+    """Clip by the norm of the whole model's gradient, not of this rank's pieces: the norm from
+    the pieces (`grad_norm`), then every gradient this rank updates with scaled by max_norm /
+    (norm + 1e-6) where that is below 1, as torch.nn.utils.clip_grad_norm_ does. Returns the
+    norm. The one clip of every step from 4 on: a layout only says what its gradients are."""
+    total_norm = grad_norm(gradients.pieces, pgm, gradients.axes, gradients.device)
+    clip = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in gradients.grads:
+        grad.mul_(clip)
+    return total_norm

@@ -37,10 +37,10 @@ from torch import nn
 
 from data_parallel import NOTHING_TO_WAIT_FOR
 from placement import (
+    Gradients,
     OnWhole,
     Split,
     full_shape,
-    grad_norm,
     init_piece,
     place,
     placed_parameters,
@@ -335,22 +335,18 @@ class FullyShardedDataParallel(nn.Module):
     def sum_tied_gradients(self, tied):
         tied.sum_gradients()  # on the pieces: the first and last stage's copies are cut alike
 
-    def clip_grad_norm(self, max_norm, pgm, tied):
-        """Clip by the whole model's gradient norm from the pieces, each spread over the axes of
-        its record (tp, pp, and the shard axes); a tied copy on the last stage is not counted."""
+    def gradients(self, tied):
+        """This rank's gradients for placement's `clip_grad_norm`: the pieces, each spread over
+        the axes of its record (tp, pp, and the shard axes); a tied copy on the last stage is not
+        counted, and clipped all the same."""
         counted = {id(param) for param in tied.counted.parameters()}
         pieces = [
             (placed.param.grad, placed.axes)
             for placed in placed_parameters(self.module)
             if id(placed.param) in counted and placed.param.grad is not None
         ]
-        device = self.units[0].shard.device
-        total_norm = grad_norm(pieces, pgm, ["tp", "pp", *self.shard_axes], device)
-        clip = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils does
-        for param in self.module.parameters():
-            if param.grad is not None:
-                param.grad.mul_(clip)
-        return total_norm
+        grads = [param.grad for param in self.module.parameters() if param.grad is not None]
+        return Gradients(pieces, grads, ("tp", "pp", *self.shard_axes), self.units[0].shard.device)
 
     def all_gather_parameters(self):
         pass  # a unit is gathered when it is used

@@ -38,7 +38,7 @@ from checkpoint import MOMENTS  # AdamW's and Muon's, elementwise like their par
 from data_parallel import NOTHING_TO_WAIT_FOR, Bucket, DataParallelBucket
 from muon import is_matrix, moments
 from overlap_timeline import NO_TIMELINE
-from placement import grad_norm, placed_parameters, through_whole
+from placement import Gradients, placed_parameters, through_whole
 from utils import log
 
 
@@ -167,10 +167,11 @@ class ShardedBucketManager:
 class DataParallelZero1(DataParallelBucket):
     """Data parallelism with the optimizer sharded: step 6's buckets reduce-scattered during
     backward; the optimizer holds only this rank's shard (`shard`), clipped by the whole model's
-    norm (`clip_grad_norm`); `all_gather_parameters` after the update. `shard_axes`: the axes
-    of the grid (`pgm`) whose ranks hold the same weights, over which gradients are averaged and
-    the optimizer sharded. `tied_weight`: this stage's copy of a tied embedding split between
-    stages, or None. `stage` 2 (ZeRO-2): the gradients sharded too (`ShardedBucket`)."""
+    norm (`gradients`, for placement's clip_grad_norm); `all_gather_parameters` after the
+    update. `shard_axes`: the axes of the grid (`pgm`) whose ranks hold the same weights, over
+    which gradients are averaged and the optimizer sharded. `tied_weight`: this stage's copy of
+    a tied embedding split between stages, or None. `stage` 2 (ZeRO-2): the gradients sharded
+    too (`ShardedBucket`)."""
 
     def __init__(
         self,
@@ -236,11 +237,12 @@ class DataParallelZero1(DataParallelBucket):
         assert [param for param, _ in bucket.offsets] == [tied.weight]
         dist.all_reduce(bucket.grad_shard, group=tied.group)
 
-    def clip_grad_norm(self, max_norm, pgm, tied):
-        """Clip by the whole model's gradient norm, though each rank holds only its shard of the
-        gradient: each run of a parameter in this rank's shard is a piece of it, spread over the
-        axes of its placement and over the optimizer's `shard_axes`. A tied
-        embedding's last-stage copy is left out (counted once), and clipped all the same."""
+    def gradients(self, tied):
+        """This rank's gradients for placement's `clip_grad_norm`, though each rank holds only
+        its shard of the gradient: each run of a parameter in this rank's shard is a piece of it,
+        spread over the axes of its placement and over the optimizer's `shard_axes`; a tied
+        embedding's last-stage copy is left out of the norm (counted once). What this rank
+        updates with, and clips: its grad_shards."""
         buckets, record = self.bucket_manager.buckets, {}
         for placed in placed_parameters(self.module):
             record[id(placed.param)] = placed.axes | set(self.shard_axes)
@@ -251,12 +253,8 @@ class DataParallelZero1(DataParallelBucket):
             for param, _, lo, hi in bucket.in_shard()
             if id(param) in counted
         ]
-        axes, device = [*self.shard_axes, "tp", "pp"], buckets[0].device
-        total_norm = grad_norm(pieces, pgm, axes, device)
-        clip = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils does
-        for bucket in buckets:
-            bucket.grad_shard.mul_(clip)  # the shard: the gradients this rank updates with
-        return total_norm
+        grads = [bucket.grad_shard for bucket in buckets]
+        return Gradients(pieces, grads, (*self.shard_axes, "tp", "pp"), buckets[0].device)
 
     def gradient_bytes(self):
         """The bytes of the gradient buffers this rank holds: whole buckets at stage 1, the

@@ -20,14 +20,13 @@ from flags import load_config, make_parser, parse
 from kv_cache import kv_cache
 from model import LlamaForCausalLM
 from muon import make_optimizer
-from placement import OnWhole
+from placement import OnWhole, clip_grad_norm, model_gradients
 from process_group_manager import ProcessGroupManager, check_sizes
 from recipes import loss_scale, unscale, warmup_cosine
 from tensor_parallel import (
     Gather,
     apply_tensor_parallel,
     check_tensor_parallel,
-    clip_grad_norm,
     vocab_parallel_cross_entropy,
 )
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
@@ -163,7 +162,7 @@ def train_step(ctx, state, micro_batches):
         (loss * scale).backward()
         total += loss.detach()
     model.finish_gradient_synchronization()
-    grad_norm = clip_grad_norm(model, args.grad_clip * scale, pgm) / scale
+    grad_norm = clip_grad_norm(model_gradients(model, ["tp"]), args.grad_clip * scale, pgm) / scale
     # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing

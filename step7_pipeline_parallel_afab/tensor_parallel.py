@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from placement import Split, grad_norm, init_piece, place, placed_parameters
+from placement import Split, init_piece, place
 
 
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
@@ -225,15 +225,3 @@ def apply_tensor_parallel(model, group):
         norm.register_forward_hook(lambda module, args, y: Copy.apply(y, group))  # f
     model.tie_weights()
     return model
-
-
-def clip_grad_norm(model, max_norm, pgm, axes=("tp",), counted=None):
-    """Clip by the norm of the whole model's gradient, not of this rank's slices. `axes`: those
-    over which the ranks hold different pieces or parameters; `counted`: the parameters the norm
-    counts (all of `model`'s; a later step leaves out a copy), clipped all the same."""
-    params = [p for p in placed_parameters(model) if p.param.grad is not None]
-    counted = {id(p) for p in (model if counted is None else counted).parameters()}
-    pieces = [(p.param.grad, p.axes) for p in params if id(p.param) in counted]
-    total_norm = grad_norm(pieces, pgm, axes)
-    torch.nn.utils.clip_grads_with_norm_([p.param for p in params], max_norm, total_norm)
-    return total_norm

@@ -32,14 +32,13 @@ from pipeline_parallel import (
     run_schedule,
 )
 from pipeline_timeline import NoTimeline, Timeline
-from placement import OnWhole
+from placement import OnWhole, clip_grad_norm, model_gradients
 from process_group_manager import ProcessGroupManager, check_sizes
 from recipes import loss_scale, unscale, warmup_cosine
 from tensor_parallel import (
     Gather,
     apply_tensor_parallel,
     check_tensor_parallel,
-    clip_grad_norm,
     vocab_parallel_cross_entropy,
 )
 from utils import flops_per_token, log, resolve_device, resolve_dtype, run_main, set_seed
@@ -192,9 +191,8 @@ def train_step(ctx, state, micro_batches):
     if args.dp_timeline is not None:
         model.timeline.report(args.bucket_size_mb, args.dp_timeline)
     tied.sum_gradients()  # the tied embedding's two copies, one gradient: after dp, before clipping
-    grad_norm = (
-        clip_grad_norm(model, args.grad_clip * scale, pgm, ("tp", "pp"), tied.counted) / scale
-    )
+    gradients = model_gradients(model, ("tp", "pp"), tied.counted)
+    grad_norm = clip_grad_norm(gradients, args.grad_clip * scale, pgm) / scale
     # The tp ranks' copies of the loss count once; the replicas' shares make the batch's mean.
     facts = agree(total, grad_norm, counted=pgm.tp_rank == 0, replicas=pgm.dp_size)
     if facts.finite:  # on every rank alike: a non-finite step changes nothing

@@ -155,8 +155,9 @@ def test_ledger_counts_every_kind_of_call_and_puts_torch_back(tmp_path):
 
 def tp_checks(rank, world):
     from comm_stats import CommStats
+    from placement import clip_grad_norm, model_gradients
     from process_group_manager import ProcessGroupManager
-    from tensor_parallel import clip_grad_norm, vocab_parallel_cross_entropy
+    from tensor_parallel import vocab_parallel_cross_entropy
 
     pgm = ProcessGroupManager(tp_size=world, pp_size=1, dp_size=1)
     model = build(pgm)
@@ -166,7 +167,7 @@ def tp_checks(rank, world):
             loss = vocab_parallel_cross_entropy(model(inputs), targets, pgm.tp_group)
         with CommStats(pgm) as backward:
             loss.backward()
-        clip_grad_norm(model, 1.0, pgm)
+        clip_grad_norm(model_gradients(model, ["tp"]), 1.0, pgm)
     fraction = ring_all_reduce(world)
     # Forward: the embedding's all-reduce, two per block (after attention, after the MLP), then
     # the loss's three of (B, T): the max, the sum of exponentials, the target's logit.
@@ -191,8 +192,9 @@ def test_tensor_parallel_makes_two_all_reduces_per_block_each_way(tmp_path):
 def dp_checks(rank, world):
     from comm_stats import CommStats
     from data_parallel import DataParallelBucket
+    from placement import clip_grad_norm, model_gradients
     from process_group_manager import ProcessGroupManager
-    from tensor_parallel import clip_grad_norm, vocab_parallel_cross_entropy
+    from tensor_parallel import vocab_parallel_cross_entropy
 
     pgm = ProcessGroupManager(tp_size=1, pp_size=1, dp_size=world)
     model = build(pgm)
@@ -206,7 +208,7 @@ def dp_checks(rank, world):
             logits = wrapped(inputs)
             (vocab_parallel_cross_entropy(logits, targets, pgm.tp_group) / len(batches)).backward()
         wrapped.finish_gradient_synchronization()
-        clip_grad_norm(wrapped, 1.0, pgm)
+        clip_grad_norm(model_gradients(wrapped, ["tp"]), 1.0, pgm)
         optimizer.step()
     # Once per step, after the last micro-batch, every gradient in one of the buckets.
     buckets = len(wrapped.bucket_manager.buckets)
@@ -225,6 +227,7 @@ def zero_step(pgm, axes, inputs, targets, cp=False):
     ledgers of the whole step, of its forward and of its backward, and the model."""
     from comm_stats import CommStats
     from pipeline_parallel import PipelineParallel, TiedEmbeddings
+    from placement import clip_grad_norm
     from tensor_parallel import vocab_parallel_cross_entropy
     from zero import DataParallelZero1
 
@@ -240,7 +243,7 @@ def zero_step(pgm, axes, inputs, targets, cp=False):
             loss.backward()
         wrapped.finish_gradient_synchronization()
         wrapped.sum_tied_gradients(tied)
-        wrapped.clip_grad_norm(1.0, pgm, tied)
+        clip_grad_norm(wrapped.gradients(tied), 1.0, pgm)
         optimizer.step()
         wrapped.all_gather_parameters()
     buckets = len(wrapped.bucket_manager.buckets)
@@ -281,8 +284,9 @@ def test_zero1_sends_the_bytes_of_data_parallel(tmp_path):
 def pp_checks(rank, world):
     import pipeline_parallel as pp
     from comm_stats import CommStats
+    from placement import clip_grad_norm, model_gradients
     from process_group_manager import ProcessGroupManager
-    from tensor_parallel import clip_grad_norm, vocab_parallel_cross_entropy
+    from tensor_parallel import vocab_parallel_cross_entropy
 
     pgm = ProcessGroupManager(tp_size=1, pp_size=world, dp_size=1)
     m = 3
@@ -296,7 +300,7 @@ def pp_checks(rank, world):
         with ledger:
             pp.run_schedule(actions, [pp.Stage(stage, pgm)], batches, loss_fn, (B, T, D),
                             torch.device("cpu"), torch.float32)  # fmt: skip
-            clip_grad_norm(stage, 1.0, pgm, ("tp", "pp"), tied.counted)
+            clip_grad_norm(model_gradients(stage, ("tp", "pp"), tied.counted), 1.0, pgm)
         return [p.grad for p in stage.parameters()]
 
     for engine in ["afab", "1f1b"]:

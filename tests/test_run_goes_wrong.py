@@ -36,12 +36,11 @@ utils.run_main(train.main)
 INF_GRADIENT = """
 calls, correct = [0], train.clip_grad_norm
 
-def clip_grad_norm(model, *args, **kwargs):
+def clip_grad_norm(gradients, *args, **kwargs):
     calls[0] += 1
     if calls[0] in {steps} and dist.get_rank() == {rank}:
-        grad = next(p.grad for p in model.parameters() if p.grad is not None)
-        grad.view(-1)[0] = float("inf")
-    return correct(model, *args, **kwargs)
+        gradients.grads[0].view(-1)[0] = float("inf")
+    return correct(gradients, *args, **kwargs)
 
 train.clip_grad_norm = clip_grad_norm
 """

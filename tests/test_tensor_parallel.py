@@ -176,11 +176,11 @@ def model_worker(rank, world, tied):
     from transformers import LlamaConfig
 
     from model import LlamaForCausalLM
+    from placement import clip_grad_norm, model_gradients
     from process_group_manager import ProcessGroupManager
     from tensor_parallel import (
         Gather,
         apply_tensor_parallel,
-        clip_grad_norm,
         vocab_parallel_cross_entropy,
     )
 
@@ -217,7 +217,11 @@ def model_worker(rank, world, tied):
             full = full.chunk(world, dim)[rank]
         close(param.grad, full, f"apply_tensor_parallel's model: the gradient of {name}")
     norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-    close(clip_grad_norm(model, 1e9, pgm), norm_ref, "clip_grad_norm: the gradient norm")
+    close(
+        clip_grad_norm(model_gradients(model, ["tp"]), 1e9, pgm),
+        norm_ref,
+        "clip_grad_norm: the gradient norm",
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

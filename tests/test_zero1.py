@@ -68,6 +68,7 @@ def batches(step, micro_batches, dp_size):
 
 def sharded_steps(rank, world, max_norms, results):
     from overlap_timeline import OverlapTimeline
+    from placement import clip_grad_norm
     from process_group_manager import ProcessGroupManager
     from zero import DataParallelZero1, optimizer_state_bytes
 
@@ -87,7 +88,7 @@ def sharded_steps(rank, world, max_norms, results):
             (F.mse_loss(wrapped(x[rank, k]), y[rank, k]) / m).backward()
         wrapped.finish_gradient_synchronization()
         assert timeline.launched_in_backward >= 1  # a reduce-scatter overlapped backward
-        norm = wrapped.clip_grad_norm(max_norm, pgm, untied)
+        norm = clip_grad_norm(wrapped.gradients(untied), max_norm, pgm)
         optimizer.step()
         wrapped.all_gather_parameters()
         # The reference: the whole batch on one process, clipped by torch's own function.
@@ -280,14 +281,15 @@ def check_clip(ctx):
     backward_on_shares(ctx.wrapped, ctx.reference, ctx.rank, ctx.world, step=1)
     max_norm = 0.05
     untied = SimpleNamespace(counted=ctx.model)  # no tied copies: the norm counts every parameter
-    norm = ctx.wrapped.clip_grad_norm(max_norm, ctx.pgm, untied)
+    gradients = ctx.wrapped.gradients(untied)
+    norm = sys.modules["placement"].clip_grad_norm(gradients, max_norm, ctx.pgm)
     want = torch.nn.utils.clip_grad_norm_(ctx.reference.parameters(), max_norm)
     assert want > max_norm  # so that the shards are clipped
-    what = "DataParallelZero1.clip_grad_norm: the norm of the whole gradient"
+    what = "placement.clip_grad_norm of DataParallelZero1.gradients: the whole gradient's norm"
     assert_matches(norm, want, what, rtol=1e-6, atol=0, reference="one process")
     for b, (bucket, layout) in enumerate(zip(ctx.buckets, ctx.layouts, strict=True)):
         want = flat_grads(ctx.reference, ctx.names, layout)[layout.start : layout.end]
-        what = f"DataParallelZero1.clip_grad_norm: bucket {b}'s grad_shard"
+        what = f"placement.clip_grad_norm of DataParallelZero1.gradients: bucket {b}'s grad_shard"
         assert_matches(bucket.grad_shard, want, what, rtol=1e-5, atol=1e-6, reference="one process")
 
 

@@ -384,16 +384,17 @@ def check_backward(ctx):
 
 
 def check_clip(ctx):
-    """FullyShardedDataParallel.clip_grad_norm: the norm of the whole gradient from the pieces,
-    and the pieces clipped by it, as torch clips one process's."""
+    """placement.clip_grad_norm of FullyShardedDataParallel.gradients: the norm of the whole
+    gradient from the pieces, and the pieces clipped by it, as torch clips one process's."""
     gradients_of_the_average(ctx)
     max_norm = 0.1
-    norm = ctx.wrapped.clip_grad_norm(max_norm, ctx.pgm, SimpleNamespace(counted=ctx.model))
+    gradients = ctx.wrapped.gradients(SimpleNamespace(counted=ctx.model))
+    norm = sys.modules["placement"].clip_grad_norm(gradients, max_norm, ctx.pgm)
     want = torch.nn.utils.clip_grad_norm_(ctx.reference.parameters(), max_norm)
     assert want > max_norm  # so that the pieces are clipped
-    what = "FullyShardedDataParallel.clip_grad_norm: the norm of the whole gradient"
+    what = "FullyShardedDataParallel.gradients, clipped: the norm of the whole gradient"
     assert_matches(norm, want, what, rtol=1e-5, atol=0, reference="one process")
-    check_pieces_grads(ctx, "FullyShardedDataParallel.clip_grad_norm")
+    check_pieces_grads(ctx, "FullyShardedDataParallel.gradients, clipped")
 
 
 PIECES = {  # and "stage_2", ZeRO-2 (check_stage_2)

@@ -313,9 +313,9 @@ ZERO_BLANKS = (
     Blank(ZERO, "DataParallelZero1.all_gather_parameters",
           "start every bucket's all-gather, then wait for each in turn and copy its parameters "
           "out"),
-    Blank(ZERO, "DataParallelZero1.clip_grad_norm",
-          "placement's grad_norm of this rank's pieces (each over its placed axes and "
-          "shard_axes; a tied copy once), then scale every grad_shard as torch does"),
+    Blank(ZERO, "DataParallelZero1.gradients",
+          "this rank's pieces for placement's clip_grad_norm (each run in its shard over its "
+          "placed axes and shard_axes; a tied copy left out), every grad_shard to be clipped"),
 )  # fmt: skip
 ZERO_TESTS = "tests/test_zero1.py::"
 ZERO_GRADED = (
@@ -489,9 +489,9 @@ ZERO3_BLANKS = (
               "a hook on a tensor's gradient replaces the gradient with what it returns",
           ),
     ),
-    Blank(FSDP, "FullyShardedDataParallel.clip_grad_norm",
-          "grad_norm of the .grad of the pieces tied counts, each over its placed axes, summed "
-          "over tp, pp and the shard axes; scale every .grad as torch does",
+    Blank(FSDP, "FullyShardedDataParallel.gradients",
+          "the .grad of the pieces tied counts, each over its placed axes, for placement's "
+          "clip_grad_norm over tp, pp and the shard axes; every .grad to be clipped",
           nudge="one norm for the whole model, from the pieces the ranks hold",
           traps=(
               "a tied weight held on two stages counts once",

@@ -55,6 +55,7 @@ def row(values, shards, mine):
 def timeline():
     """Every rank runs step 10's ZeRO-1 on its weight; rank 0 prints what each rank holds."""
     sys.path.insert(0, str(ROOT / "step10_zero1"))
+    from placement import clip_grad_norm
     from process_group_manager import ProcessGroupManager
     from zero import DataParallelZero1
 
@@ -82,7 +83,7 @@ def timeline():
         "2. reduce-scatter: its own shard holds the average; the rest is unused",
         bucket.grad_data,
     )
-    norm = zero.clip_grad_norm(GRAD_CLIP, pgm, SimpleNamespace(counted=model))
+    norm = clip_grad_norm(zero.gradients(SimpleNamespace(counted=model)), GRAD_CLIP, pgm)
     factor = min(1.0, GRAD_CLIP / (norm.item() + 1e-6))
     show(
         f"3. clip: the norm {norm.item():.3f}, from the shards' squares summed over dp; "
