@@ -436,6 +436,7 @@ def measure(rank, world, layout, config, args):
     figures = {
         "rank": rank,
         "coords": {a: getattr(pgm, f"{a}_rank", 0) for a in ["dp", "pp", "cp", "tp", "ep"]},
+        "ep_group": getattr(pgm, "ep_group_ids", [rank]),  # the expert layout's, from its grid
         "parameters": storage_bytes(model.parameters()),
         "gradients": grad_bytes,
         "optimizer": sum(t.numel() * t.element_size() for t in moments),
@@ -706,16 +707,15 @@ HEADERS = ["parameters", "gradients", "AdamW moments", "activations, 1 micro-bat
 def received_rows(layout, figures):
     """{rank: the rows its experts received in the step, over its layers}. Every rank's routers
     count their token slots per expert (`expert_rows`, as the step records them for its log);
-    the slots for expert j go to the rank of its ep group (the dp ranks with its dp_rank // ep,
-    the same pp, cp and tp ranks) that holds j, ep rank j // (E/ep)."""
+    the slots for expert j go to the rank of its ep group (the manager's, from the expert
+    layout: the same edp, pp, cp and tp ranks) that holds j, ep rank j // (E/ep)."""
     if not layout.moe:
         return {f["rank"]: 0 for f in figures}
-    group = lambda c: (c["dp"] // layout.ep, c["pp"], c["cp"], c["tp"])
     rows = {}
     for f in figures:
         local = len(f["expert_rows"][0]) // layout.ep
         mine = slice(f["coords"]["ep"] * local, (f["coords"]["ep"] + 1) * local)
-        peers = [other for other in figures if group(other["coords"]) == group(f["coords"])]
+        peers = [other for other in figures if other["rank"] in f["ep_group"]]
         rows[f["rank"]] = sum(sum(c[mine]) for other in peers for c in other["expert_rows"])
     return rows
 
