@@ -466,3 +466,24 @@ def test_checkpoint_imports_no_technique_module():
         if technique:
             wrong[step.name] = technique
     assert not wrong, f"checkpoint.py imports technique modules: {wrong}"
+
+
+def test_the_shares_of_each_patch_add_up_to_its_changed_lines():
+    """`make_patches.py --shares`: a row per patch, its technique, machinery and instrument lines
+    adding up to the patch's insertions and deletions; the run machinery only in step 3's."""
+    result = run_tool("make_patches.py", ROOT, "--shares")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()[2:]]
+    summaries = run_tool("make_patches.py", ROOT, "--check")
+    assert summaries.returncode == 0, summaries.stdout
+    steps = step_folders(ROOT)
+    assert [row[0].strip() for row in rows] == [step.name for step in steps[1:]]
+    number = lambda text: int(text.strip().replace(",", ""))
+    for name, total, technique, machinery, instruments, _ in rows:
+        assert number(technique) + number(machinery) + number(instruments) == number(total)
+        assert number(machinery) == 0 or name.strip() == "step3_dataloader", name
+        patch = (ROOT / "patches" / f"{name.strip()}.patch").read_text().splitlines()
+        changed = sum(
+            line[:1] in "+-" and not line.startswith(("+++", "---")) for line in patch if line
+        )
+        assert changed == number(total), name

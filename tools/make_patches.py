@@ -15,6 +15,12 @@ longer exist are removed.
 
     python tools/make_patches.py           # write patches/, print a line per patch
     python tools/make_patches.py --check   # write nothing, exit 1 if patches/ is out of date
+    python tools/make_patches.py --shares  # write nothing; how much of each patch is technique
+
+`--shares` counts each patch's changed lines (added and removed) by what their files are: the
+run machinery that step 3 brings besides its dataloader (the flags, bookkeeping, the checkpoint,
+...; a later step that changes one of them changes it for its technique), the instruments that
+watch a technique (the timelines), and the rest, the technique: the share a learner reads.
 """
 
 import argparse
@@ -25,9 +31,18 @@ import sys
 from itertools import pairwise
 from pathlib import Path
 
-from steps import STEP_NAME, step_files, step_folders
+from steps import STEP_NAME, STEPS, step_files, step_folders
 
 PATCH_DIR = "patches"
+# Files that watch a technique from outside; the run machinery is step 3's files but its own.
+INSTRUMENTS = ("overlap_timeline.py", "pipeline_timeline.py")
+MACHINERY = tuple(
+    path
+    for step in STEPS
+    if step.number == 3
+    for path in step.changes
+    if path not in ("dataloader.py", "train.py", "README.md")
+)
 CONTEXT_LINES = 3
 
 
@@ -128,12 +143,49 @@ def make_patch(root: Path, earlier: Path, later: Path) -> tuple[str, str]:
     return "".join(parts), summary
 
 
+def kind(path: str, step: Path) -> str:
+    if path in INSTRUMENTS:
+        return "instruments"
+    machinery = path in MACHINERY and STEP_NAME.fullmatch(step.name).group(1) == "3"
+    return "machinery" if machinery else "technique"
+
+
+def shares(root: Path, earlier: Path, later: Path) -> dict[str, int]:
+    """The changed lines (added and removed) of the patch from `earlier` to `later`, by `kind`."""
+    old_files, new_files = set(step_files(root, earlier)), set(step_files(root, later))
+    lines = {"technique": 0, "machinery": 0, "instruments": 0}
+    for path in sorted((old_files | new_files) - {LESSON}):
+        _, plus, minus = file_diff(
+            path,
+            earlier / path if path in old_files else None,
+            later / path if path in new_files else None,
+        )
+        lines[kind(path, later)] += plus + minus
+    return lines
+
+
+def print_shares(root: Path, steps: list[Path]) -> None:
+    print("| patch | changed lines | technique | machinery | instruments | technique share |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for earlier, later in pairwise(steps):
+        lines = shares(root, earlier, later)
+        total = sum(lines.values())
+        share = f"{100 * lines['technique'] / total:.0f} %" if total else "-"
+        counts = " | ".join(f"{lines[k]:,}" for k in ("technique", "machinery", "instruments"))
+        print(f"| {later.name} | {total:,} | {counts} | {share} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--check",
         action="store_true",
         help="write nothing; exit 1 and list stale, missing and extra patches",
+    )
+    parser.add_argument(
+        "--shares",
+        action="store_true",
+        help="write nothing; print each patch's changed lines: technique, machinery, instruments",
     )
     parser.add_argument(
         "--root",
@@ -147,6 +199,9 @@ def main() -> int:
 
     try:
         steps = step_folders(root)
+        if args.shares:
+            print_shares(root, steps)
+            return 0
         wanted = {
             f"{later.name}.patch": make_patch(root, earlier, later)
             for earlier, later in pairwise(steps)
