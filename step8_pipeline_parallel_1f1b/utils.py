@@ -48,8 +48,9 @@ def run_main(main):
     it, and torchrun stops the others as soon as one rank exits. The checks see the same values on
     every rank, so rank 0 meets the same error; for one that only some ranks see (a GPU missing on
     one node), such a rank prints it after REPORT_DELAY seconds in which rank 0 has not stopped
-    the group. A ValueError raised inside a library, and any other exception, is a bug and keeps
-    its traceback.
+    the group. A collective that fails because its peer is gone (it stopped on its own error)
+    says so in one line, late enough for that peer's own line to come first. A ValueError raised
+    inside a library, and any other exception, is a bug and keeps its traceback.
     """
     try:
         main()
@@ -58,16 +59,26 @@ def run_main(main):
             raise
         report_and_exit(f"error: {error}", 2)
     except RuntimeError as error:  # gloo's collective timeout (NCCL's watchdog reports its own)
-        if "Timed out waiting" not in str(error):
+        if "Timed out waiting" in str(error):
+            report_and_exit(timed_out(error), 3)
+        if not any(sign in str(error) for sign in PEER_GONE):
             raise
-        report_and_exit(timed_out(error), 3)
+        # The peer that stopped first says why: this line only if it has not, after its delay.
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        report_and_exit(lost_peer(error), 1, after=REPORT_DELAY + world)
 
 
-def report_and_exit(message, status):
+# What gloo says when the other end of a collective went away (its process exited).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def report_and_exit(message, status, after=0):
     """Print `message` once for the job (rank 0 at once, another rank only if rank 0 has not
-    stopped the job within REPORT_DELAY seconds, the lowest first) and exit with `status`."""
+    stopped the job within REPORT_DELAY seconds, the lowest first; every rank `after` seconds
+    later still) and exit with `status`."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
     rank = int(os.environ.get("RANK", 0))
+    time.sleep(after)
     if rank != 0:
         time.sleep(REPORT_DELAY + rank)
     print_line(message, sys.stderr)
@@ -92,6 +103,22 @@ def timed_out(error):
         f"error: rank {rank} waited --dist_timeout_s for a collective that did not complete"
         f"{where}: another rank stalled, died, or is waiting in a different collective. Every "
         f"rank stops. ({str(error).splitlines()[0]})"
+    )
+
+
+def lost_peer(error):
+    """Which rank lost its peer, and where: the other process exited (its own error, printed
+    first, says why), so this collective cannot complete."""
+    ours = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if Path(f.filename).resolve().parent == HERE
+    ]
+    where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else ""
+    rank = os.environ.get("RANK", 0)
+    return (
+        f"error: rank {rank} lost a peer in a collective{where}: another rank stopped first "
+        f"(its own message says why). ({str(error).splitlines()[0]})"
     )
 
 
