@@ -22,7 +22,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from utils import ArgumentParser, check_output_path, log
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# Through a link (an exercise's copy of a step links them) the files themselves: their paths
+# key the datasets cache of the tokenised text, which a copy then shares with the course.
+ASSETS = (Path(__file__).resolve().parent.parent / "assets").resolve()
 
 
 class Domain:
