@@ -397,8 +397,8 @@ HARMLESS = {
     "problem_type": "the loss of a classification head, which a causal LM has not",
     "pretraining_tp": "transformers 5 ignores it; in 4 it cut the same products into slices",
     "is_llama_config": "nanotron's mark (SmolLM2's config.json) of a config for transformers",
-    "moe_router": "the router a mixture of experts trained with (--moe_router), written for the "
-    "record; the flag decides, and a checkpoint of the other router holds other parameters",
+    "moe_router": "the router a mixture of experts trained with, written for the record; the "
+    "run's own choice decides, and a checkpoint of another router holds other parameters",
 }
 # Fields that change the model unless they hold one of these values, which is what the model
 # here computes: refused otherwise, naming the field and its value.
